@@ -1,0 +1,117 @@
+"""Make a tiny random HuggingFace model and a character-level tokenizer, entirely offline.
+
+    python checkpoints_tools/make_tiny_model.py --family qwen2 --out outputs/tiny_qwen2
+
+The tokenizer (built with `tokenizers`) has one token per printable ASCII character plus chat
+special tokens and a chat template; its 101 tokens are deliberately not a multiple of any TP size,
+so vocabulary padding is always exercised. Every weight, including norms and biases, is random
+(HF initialises norms to one and biases to zero, which would hide mapping mistakes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import string
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    GenerationConfig,
+    PreTrainedTokenizerFast,
+)
+
+SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    characters = sorted(set(string.printable) - set("\t\r\x0b\x0c"))
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + characters)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<|unk|>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token="<|pad|>",
+        eos_token="<|endoftext|>",
+        unk_token="<|unk|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def make_config(args, tokenizer: PreTrainedTokenizerFast):
+    suffix = "ForTokenClassification" if args.value_model else "ForCausalLM"
+    prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[args.family]
+    return AutoConfig.for_model(
+        MODEL_TYPES[args.family],
+        architectures=[prefix + suffix],
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden_size,
+        intermediate_size=args.ffn_hidden_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_kv_heads,
+        head_dim=args.hidden_size // args.num_heads,
+        max_position_embeddings=args.max_position_embeddings,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
+        tie_word_embeddings=args.tied and not args.value_model,
+        initializer_range=args.init_std,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+
+
+@torch.no_grad()
+def randomize(model: torch.nn.Module, std: float, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        noise = torch.randn(param.shape, generator=generator)
+        if name.endswith("norm.weight"):
+            param.copy_(1.0 + 0.1 * noise)
+        else:
+            param.copy_(std * noise)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=sorted(MODEL_TYPES), default="qwen2")
+    parser.add_argument("--out", required=True, help="output directory (HF layout)")
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--ffn-hidden-size", type=int, default=384)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--num-heads", type=int, default=4, help="head dim = hidden / heads; vLLM needs >= 32")
+    parser.add_argument("--num-kv-heads", type=int, default=2)
+    parser.add_argument("--max-position-embeddings", type=int, default=512)
+    parser.add_argument("--rope-theta", type=float, default=10000.0)
+    parser.add_argument("--tied", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--value-model", action="store_true", help="a *ForTokenClassification value model")
+    parser.add_argument("--init-std", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-shard-size", default="50MB", help="shard the safetensors above this size")
+    args = parser.parse_args(argv)
+
+    tokenizer = make_tokenizer()
+    config = make_config(args, tokenizer)
+    model_class = AutoModelForTokenClassification if args.value_model else AutoModelForCausalLM
+    model = model_class.from_config(config, dtype=torch.float32)
+    randomize(model, args.init_std, args.seed)
+    model.save_pretrained(args.out, max_shard_size=args.max_shard_size)
+    tokenizer.save_pretrained(args.out)
+    if not args.value_model:
+        GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(args.out)
+    print(f"wrote {config.architectures[0]} ({sum(p.numel() for p in model.parameters()):,} params) to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

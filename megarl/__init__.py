@@ -1,0 +1,1 @@
+"""megarl: Megatron-first RL post-training for LLMs."""

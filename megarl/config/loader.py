@@ -1,0 +1,181 @@
+"""Load a run config: schema defaults, then a YAML file, then dotted CLI overrides.
+
+Every user mistake becomes a one-line `ConfigError` naming the full dotted key, the bad value and
+what is allowed. Unknown keys and non-mapping sections are caught by walking the input against
+the schema before merging, so OmegaConf's own errors are left to report only bad scalar values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, ValidationError
+
+from megarl.config.schema import DTYPES, LAYER_SPECS, RunConfig
+
+
+class ConfigError(ValueError):
+    """A user error in the run configuration; the message is a single line."""
+
+
+def _schema_keys(cls: type, prefix: str = "") -> dict[str, type]:
+    """Every dotted key of a schema dataclass mapped to its type; sections map to their class."""
+    keys = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        keys[prefix + name] = hint
+        if dataclasses.is_dataclass(hint):
+            keys.update(_schema_keys(hint, f"{prefix}{name}."))
+    return keys
+
+
+_KEY_TYPES = _schema_keys(RunConfig)
+
+
+def load_config(path: str | None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Build the validated RunConfig from an optional YAML file and `key=value` overrides."""
+    config = OmegaConf.structured(RunConfig)
+    if path is not None:
+        config = _merge(config, _read_yaml(path), source=f"in {path}")
+    for override in overrides:
+        config = _merge(config, _parse_override(override), source=f"in override '{override}'")
+    try:
+        run_config = OmegaConf.to_object(config)
+    except MissingMandatoryValue as error:
+        raise ConfigError(
+            f"config key '{error.full_key}' is required: "
+            f"set it in the YAML file or pass {error.full_key}=<value>"
+        ) from None
+    except ValidationError as error:  # an interpolation resolved to a value of the wrong type
+        raise ConfigError(_type_message(error)) from None
+    except InterpolationResolutionError as error:
+        first_line = str(error).splitlines()[0]
+        raise ConfigError(f"config key '{error.full_key}' cannot be resolved: {first_line}") from None
+    validate(run_config)
+    return run_config
+
+
+def validate(config: RunConfig) -> None:
+    """Check values that types alone cannot: choices and numeric ranges."""
+    _check_choice("model.dtype", config.model.dtype, DTYPES)
+    _check_choice("model.layer_spec", config.model.layer_spec, LAYER_SPECS)
+    _check_at_least("model.make_vocab_size_divisible_by", config.model.make_vocab_size_divisible_by, 1)
+    for name in ("tp", "pp", "cp", "ep"):
+        _check_at_least(f"actor.{name}", getattr(config.actor, name), 1)
+    _check_at_least("trainer.total_steps", config.trainer.total_steps, 1)
+
+
+def validate_layout(config: RunConfig, world_size: int) -> None:
+    """Check that the actor's parallel sizes fit `world_size` ranks."""
+    assert world_size >= 1, world_size
+    actor = config.actor
+    model_parallel = actor.tp * actor.pp * actor.cp
+    if world_size % model_parallel != 0:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by actor.tp * actor.pp * actor.cp = "
+            f"{model_parallel}; allowed: world sizes that are multiples of {model_parallel}"
+        )
+    # Megatron carves expert-parallel groups out of the DP * CP ranks of each pipeline stage.
+    expert_ranks = world_size // model_parallel * actor.cp
+    if expert_ranks % actor.ep != 0:
+        divisors = ", ".join(str(d) for d in range(1, expert_ranks + 1) if expert_ranks % d == 0)
+        raise ConfigError(
+            f"config key 'actor.ep' = {actor.ep} does not divide data-parallel size * actor.cp = "
+            f"{expert_ranks} at world size {world_size}; allowed: {divisors}"
+        )
+
+
+def save_resolved(config: RunConfig, path: str | Path) -> None:
+    """Write the resolved config as YAML; the caller makes sure only rank 0 calls this."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(OmegaConf.to_yaml(OmegaConf.structured(config)))
+
+
+def _read_yaml(path: str) -> dict:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as error:
+        raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file {path} is not valid YAML: {_one_line(error)}") from None
+    if data is None:  # an empty file changes nothing
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {path} holds a {type(data).__name__}; "
+            f"allowed: a mapping of sections {_section_keys('')}"
+        )
+    return data
+
+
+def _parse_override(override: str) -> dict:
+    key, separator, _ = override.partition("=")
+    if not separator or not key:
+        raise ConfigError(f"malformed override '{override}'; expected the form key=value")
+    try:
+        return OmegaConf.to_container(OmegaConf.from_dotlist([override]))
+    except yaml.YAMLError as error:
+        message = f"override '{override}' has a value that is not valid YAML: {_one_line(error)}"
+        raise ConfigError(message) from None
+
+
+def _merge(config: DictConfig, data: dict, source: str) -> DictConfig:
+    _check_keys(data, source)
+    try:
+        return OmegaConf.merge(config, data)
+    except ValidationError as error:
+        raise ConfigError(f"{_type_message(error)} ({source})") from None
+
+
+def _check_keys(data: dict, source: str, prefix: str = "") -> None:
+    """Reject keys the schema lacks and scalars given where a section belongs."""
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if dotted not in _KEY_TYPES:
+            # A high cutoff: the shared section prefix ("actor.") alone scores about 0.7.
+            close = difflib.get_close_matches(dotted, _KEY_TYPES, n=1, cutoff=0.8)
+            hint = f"did you mean '{close[0]}'?" if close else _valid_keys_hint(prefix)
+            raise ConfigError(f"unknown config key '{dotted}' ({source}); {hint}")
+        if dataclasses.is_dataclass(_KEY_TYPES[dotted]):
+            if not isinstance(value, dict):
+                raise ConfigError(
+                    f"config key '{dotted}' = {value!r} is not a section ({source}); "
+                    f"allowed: a mapping with keys {_section_keys(dotted + '.')}"
+                )
+            _check_keys(value, source, dotted + ".")
+
+
+def _section_keys(prefix: str) -> str:
+    """Comma-separated names of the keys directly inside the section `prefix` ('' for the top)."""
+    names = [key[len(prefix) :] for key in _KEY_TYPES if key.startswith(prefix)]
+    return ", ".join(name for name in names if "." not in name)
+
+
+def _valid_keys_hint(prefix: str) -> str:
+    section = f" in '{prefix.rstrip('.')}'" if prefix else ""
+    return f"valid keys{section}: {_section_keys(prefix)}"
+
+
+def _type_message(error: ValidationError) -> str:
+    expected = _KEY_TYPES[error.full_key].__name__
+    return f"config key '{error.full_key}' = {error.value!r} is not a valid {expected}"
+
+
+def _check_choice(key: str, value: str, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"config key '{key}' = {value!r} is not allowed; allowed: {', '.join(allowed)}")
+
+
+def _check_at_least(key: str, value: int, minimum: int) -> None:
+    if value < minimum:
+        raise ConfigError(f"config key '{key}' = {value} is out of range; allowed: integers >= {minimum}")
+
+
+def _one_line(error: yaml.YAMLError) -> str:
+    return " ".join(str(error).split())

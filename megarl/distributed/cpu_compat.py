@@ -1,0 +1,207 @@
+"""Bridges megatron-core's CUDA assumptions so that it runs on CPU over gloo.
+
+Applied only when CUDA is absent (`apply_cpu_compat` is a no-op otherwise). megatron-core 0.16
+assumes a GPU in seven places; each is bridged by one named `Bridge` below, so a test can leave
+one out and watch the megatron code path it guards fail:
+
+1. `current_device`: `torch.cuda.current_device()` used as the device of buffers (the global
+   memory buffer of local attention, DDP buffers, pipeline p2p shape tensors).
+2. `rng_tracker`: the tensor-parallel RNG tracker reads and writes the CUDA generator.
+3. `synchronize`: `torch.cuda.synchronize()` after pipeline p2p communication.
+4. `tensor_cuda`: `Tensor.cuda()` when tied embeddings are synchronised across pipeline stages.
+5. `cuda_factories`: `device="cuda"` tensor factories in the schedules, optimizer, grad clipping
+   and the grad-norm helper.
+6. `clip_grads_type`: grad clipping asserts `grad.type() == "torch.cuda.FloatTensor"`.
+7. `optimizer_type`: the optimizers sort parameters by CUDA type names.
+
+How: megatron modules get a *view* of `torch` as their module global `torch`; the view forwards
+everything to the real module, except the attributes a bridge sets on it. Nothing outside
+megatron (vLLM, transformers, our own code) sees a changed `torch`. Bridges 4, 6 and 7 cannot be
+scoped by module (they are Tensor methods), so they wrap the one megatron function that needs
+them and patch the Tensor method only for the duration of that call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import sys
+import types
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+# Entry points whose imports pull in every megatron module that assumes CUDA; after importing
+# them, each loaded `megatron.core` module gets the view as its `torch` global.
+_MEGATRON_ENTRY_POINTS = (
+    "megatron.core.models.gpt.gpt_model",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.distributed",
+    "megatron.core.optimizer",
+    "megatron.core.dist_checkpointing",
+)
+
+
+class _ForwardingView(types.ModuleType):
+    """A module object that answers with its own attributes first, then with `target`'s."""
+
+    def __init__(self, name: str, target: object):
+        super().__init__(name)
+        self._target = target
+
+    def __getattr__(self, name: str):
+        return getattr(self._target, name)
+
+
+def _torch_view() -> _ForwardingView:
+    view = _ForwardingView("torch", torch)
+    view.cuda = _ForwardingView("torch.cuda", torch.cuda)
+    return view
+
+
+@dataclass(frozen=True)
+class Bridge:
+    name: str
+    assumption: str
+    apply: Callable[[_ForwardingView], None]
+
+
+def _on_cpu(device):
+    return "cpu" if device is not None and torch.device(device).type == "cuda" else device
+
+
+def _cpu_factory(factory):
+    @functools.wraps(factory)
+    def make(*args, device=None, **kwargs):
+        return factory(*args, device=_on_cpu(device), **kwargs)
+
+    return make
+
+
+@contextlib.contextmanager
+def _patched(owner, name: str, value):
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def _wrap_with(owner, name: str, context: Callable[[], contextlib.AbstractContextManager]):
+    """Replace `owner.name` by a function that runs the original inside `context()`."""
+    original = getattr(owner, name)
+    if getattr(original, "_megarl_bridged", False):
+        return
+
+    @functools.wraps(original)
+    def bridged(*args, **kwargs):
+        with context():
+            return original(*args, **kwargs)
+
+    bridged._megarl_bridged = True
+    setattr(owner, name, bridged)
+
+
+def _cuda_type_names():
+    """Make `Tensor.type()` of CPU tensors read like CUDA type names, e.g. torch.cuda.FloatTensor."""
+    real_type = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and self.device.type == "cpu":
+            return real_type(self).replace("torch.", "torch.cuda.", 1)
+        return real_type(self, dtype, non_blocking, **kwargs)
+
+    return _patched(torch.Tensor, "type", type_)
+
+
+def _apply_current_device(view):
+    view.cuda.current_device = lambda: "cpu"
+
+
+def _apply_rng_tracker(view):
+    # The CPU default generator plays the role of the device generator: the tracker swaps its
+    # state in and out exactly as it would swap the CUDA generator's.
+    random = sys.modules["megatron.core.tensor_parallel.random"]
+    view.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    view.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(seed)
+    random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
+        torch.get_rng_state()
+    )
+    random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: (
+        torch.set_rng_state(new_state)
+    )
+
+
+def _apply_synchronize(view):
+    view.cuda.synchronize = lambda device=None: None
+
+
+def _apply_tensor_cuda(view):
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    _wrap_with(
+        LanguageModule,
+        "setup_embeddings_and_output_layer",
+        lambda: _patched(torch.Tensor, "cuda", lambda self, *args, **kwargs: self),
+    )
+
+
+def _apply_cuda_factories(view):
+    for name in ("zeros", "ones", "empty", "full", "tensor", "arange"):
+        setattr(view, name, _cpu_factory(getattr(torch, name)))
+
+
+def _apply_clip_grads_type(view):
+    clip_grads = sys.modules["megatron.core.optimizer.clip_grads"]
+    _wrap_with(clip_grads, "clip_grad_by_total_norm_fp32", _cuda_type_names)
+    # `optimizer.py` imported the function by name: rebind it there too.
+    sys.modules["megatron.core.optimizer.optimizer"].clip_grad_by_total_norm_fp32 = (
+        clip_grads.clip_grad_by_total_norm_fp32
+    )
+
+
+def _apply_optimizer_type(view):
+    optimizer = sys.modules["megatron.core.optimizer.optimizer"]
+    distrib_optimizer = sys.modules["megatron.core.optimizer.distrib_optimizer"]
+    _wrap_with(optimizer.Float16OptimizerWithFloat16Params, "__init__", _cuda_type_names)
+    _wrap_with(
+        distrib_optimizer.DistributedOptimizer,
+        "_build_model_and_main_param_groups",
+        _cuda_type_names,
+    )
+
+
+BRIDGES = (
+    Bridge("current_device", "torch.cuda.current_device() as a buffer device", _apply_current_device),
+    Bridge("rng_tracker", "tensor-parallel RNG tracker on the CUDA generator", _apply_rng_tracker),
+    Bridge("synchronize", "torch.cuda.synchronize() after p2p", _apply_synchronize),
+    Bridge("tensor_cuda", "Tensor.cuda() for tied embeddings across stages", _apply_tensor_cuda),
+    Bridge("cuda_factories", 'device="cuda" tensor factories', _apply_cuda_factories),
+    Bridge("clip_grads_type", "grad clipping asserts CUDA grad types", _apply_clip_grads_type),
+    Bridge("optimizer_type", "optimizers sort params by CUDA type names", _apply_optimizer_type),
+)
+
+
+def apply_cpu_compat(skip: Iterable[str] = ()) -> None:
+    """Bridge every CUDA assumption of megatron-core, except those named in `skip` (for tests).
+
+    Does nothing when CUDA is available. Call once per process, before building models.
+    """
+    if torch.cuda.is_available():
+        return
+    skip = set(skip)
+    unknown = skip - {bridge.name for bridge in BRIDGES}
+    if unknown:
+        raise ValueError(f"unknown CPU bridges {sorted(unknown)}; known: {[b.name for b in BRIDGES]}")
+    view = _torch_view()
+    for module_name in _MEGATRON_ENTRY_POINTS:
+        importlib.import_module(module_name)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.core") and getattr(module, "torch", None) is torch:
+            module.torch = view
+    for bridge in BRIDGES:
+        if bridge.name not in skip:
+            bridge.apply(view)

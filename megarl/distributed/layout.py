@@ -1,0 +1,90 @@
+"""The parallel layout: one object holding TP/PP/CP/EP/DP sizes, this rank's coordinates and groups.
+
+megatron-core keeps its process groups in module globals (`parallel_state`); we initialise them
+once from the layout and read them back here, so the rest of megarl receives groups explicitly
+from a `ParallelLayout` instead of reaching for globals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from megarl.distributed.launch import init_process_group
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    tp: int
+    pp: int
+    dp: int
+    cp: int
+    ep: int
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    cp_rank: int
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def holds_unique_stage_copy(self) -> bool:
+        """True on the one rank per pipeline stage that speaks for its (merged) TP shards."""
+        return self.tp_rank == 0 and self.dp_rank == 0 and self.cp_rank == 0
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def __str__(self) -> str:
+        return f"TP{self.tp}xPP{self.pp}xDP{self.dp}" + (f"xCP{self.cp}" if self.cp > 1 else "")
+
+
+def init_layout(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, seed: int = 1) -> ParallelLayout:
+    """Join the torchrun world, initialise megatron-core's groups for this layout and seed its RNGs.
+
+    Ranks are ordered tp-cp-ep-dp-pp (megatron's default): TP neighbours are adjacent ranks.
+    """
+    init_process_group()
+    world_size = dist.get_world_size()
+    if world_size % (tp * pp * cp):
+        raise ValueError(
+            f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}; "
+            f"launch a multiple of {tp * pp * cp} processes"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return ParallelLayout(
+        tp=tp,
+        pp=pp,
+        dp=parallel_state.get_data_parallel_world_size(),
+        cp=cp,
+        ep=ep,
+        rank=dist.get_rank(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        cp_rank=parallel_state.get_context_parallel_rank(),
+        tp_group=parallel_state.get_tensor_model_parallel_group(),
+        pp_group=parallel_state.get_pipeline_model_parallel_group(),
+        dp_group=parallel_state.get_data_parallel_group(),
+    )

@@ -1,0 +1,118 @@
+"""Building megatron-core GPT models (actor, reference, critic, reward) for an `Architecture`.
+
+The layer spec decides *which* modules implement the layer: megatron-core's local modules on CPU,
+Transformer Engine's fused ones when TE is importable and CUDA is present (`layer_spec="auto"`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer import TransformerConfig
+
+from megarl.distributed.layout import ParallelLayout
+from megarl.models.architecture import Architecture, check_layout_fits, padded_vocab_size
+from megarl.models.value_head import ValueHead
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LAYER_SPECS = ("auto", "local", "transformer_engine")
+
+
+def transformer_engine_usable() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_layer_spec(layer_spec: str) -> str:
+    if layer_spec not in LAYER_SPECS:
+        raise ValueError(f"model.layer_spec={layer_spec!r}; allowed: {', '.join(LAYER_SPECS)}")
+    if layer_spec == "auto":
+        return "transformer_engine" if transformer_engine_usable() else "local"
+    if layer_spec == "transformer_engine" and not transformer_engine_usable():
+        raise ValueError("model.layer_spec='transformer_engine' needs CUDA and `pip install megarl[gpu]`")
+    return layer_spec
+
+
+def transformer_config(
+    arch: Architecture, layout: ParallelLayout, dtype: str, sequence_parallel: bool = False
+) -> TransformerConfig:
+    params_dtype = DTYPES[dtype]
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=arch.initializer_range,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        sequence_parallel=sequence_parallel,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        pipeline_dtype=params_dtype,
+        # The fused kernels below exist only as CUDA extensions.
+        use_cpu_initialization=not torch.cuda.is_available(),
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def build_model(
+    arch: Architecture,
+    layout: ParallelLayout,
+    dtype: str = "float32",
+    layer_spec: str = "auto",
+    make_vocab_size_divisible_by: int = 128,
+) -> GPTModel:
+    """The stage of `arch` that this rank holds: its layers, embedding on the first stage, and the
+    output layer (or value head for value models) on the last stage."""
+    check_layout_fits(arch, layout.tp, layout.pp)
+    config = transformer_config(arch, layout, dtype)
+    if resolve_layer_spec(layer_spec) == "transformer_engine":
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(arch.vocab_size, make_vocab_size_divisible_by, layout.tp),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=layout.is_first_stage,
+        post_process=layout.is_last_stage,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings and not arch.value_model,
+        position_embedding_type="rope",
+        rotary_base=arch.rope_theta,
+        rope_scaling=arch.rope_type == "llama3",
+        rope_scaling_factor=arch.rope_factor,
+        seq_len_interpolation_factor=arch.rope_factor if arch.rope_type == "linear" else None,
+    )
+    if arch.value_model and layout.is_last_stage:
+        model.output_layer = ValueHead(arch.hidden_size, config.sequence_parallel, layout.tp_group, config.params_dtype)
+    return model

@@ -1,0 +1,85 @@
+"""Loading HuggingFace weights into a megatron-core model at any layout, and exporting them back.
+
+Load: every rank reads only the slices its TP rank and PP stage own.
+Export: TP shards are gathered within each pipeline stage; one rank per stage writes that stage's
+safetensors shard, so no rank ever holds more than one stage of the model; rank 0 writes the
+index and config. The round trip HF -> megatron -> HF is bit-identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from megarl.distributed.layout import ParallelLayout
+from megarl.models.architecture import Architecture
+from megarl.models.hf_checkpoint import SafetensorsReader, write_index, write_shard
+from megarl.models.state_dict_adapter import assemble_shard, merge_shards, param_mappings
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+@torch.no_grad()
+def load_hf_weights(model: torch.nn.Module, arch: Architecture, layout: ParallelLayout, model_dir: str) -> None:
+    reader = SafetensorsReader(model_dir)
+    params = dict(model.named_parameters())
+    for mapping in param_mappings(model, arch):
+        param = params[mapping.megatron_name]
+        shard = assemble_shard(mapping, arch, param.shape, layout.tp_rank, layout.tp, reader.read)
+        param.copy_(shard)
+
+
+@torch.no_grad()
+def gather_hf_state_dict(model: torch.nn.Module, arch: Architecture, layout: ParallelLayout) -> dict[str, torch.Tensor]:
+    """This pipeline stage's weights under HF names (complete on every rank of the TP group)."""
+    params = dict(model.named_parameters())
+    hf_tensors = {}
+    for mapping in param_mappings(model, arch):
+        if mapping.megatron_name == "output_layer.weight" and arch.tie_word_embeddings:
+            continue  # the last stage's copy of the tied embedding; the first stage exports it
+        param = params[mapping.megatron_name].detach()
+        shards = [torch.empty_like(param) for _ in range(layout.tp)]
+        dist.all_gather(shards, param.contiguous(), group=layout.tp_group)
+        hf_tensors.update(merge_shards(mapping, arch, shards))
+    return hf_tensors
+
+
+def export_hf(
+    model: torch.nn.Module, arch: Architecture, layout: ParallelLayout, out_dir: str, source_dir: str
+) -> None:
+    """Write `model` as a HF checkpoint into `out_dir`; config and tokenizer come from `source_dir`."""
+    os.makedirs(out_dir, exist_ok=True)
+    hf_tensors = gather_hf_state_dict(model, arch, layout)
+    stage_map = {}
+    if layout.holds_unique_stage_copy:
+        file = write_shard(hf_tensors, out_dir, layout.pp_rank, layout.pp)
+        stage_map = {name: (file, t.numel() * t.element_size()) for name, t in hf_tensors.items()}
+    stage_maps = [None] * dist.get_world_size()
+    dist.all_gather_object(stage_maps, stage_map)
+    if dist.get_rank() == 0:
+        merged = {name: entry for m in stage_maps for name, entry in m.items()}
+        write_index({n: f for n, (f, _) in merged.items()}, sum(b for _, b in merged.values()), out_dir)
+        _write_config(arch, source_dir, out_dir, next(iter(hf_tensors.values())).dtype)
+    dist.barrier()
+
+
+def _write_config(arch: Architecture, source_dir: str, out_dir: str, dtype: torch.dtype) -> None:
+    with open(os.path.join(source_dir, "config.json")) as f:
+        config = json.load(f)
+    config["architectures"] = [arch.hf_architecture()]
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(source_dir, name)):
+            shutil.copy(os.path.join(source_dir, name), out_dir)

