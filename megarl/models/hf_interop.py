@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from megarl.distributed.layout import ParallelLayout
-from megarl.models.architecture import Architecture
+from megarl.models.architecture import Architecture, architecture_from_hf, read_hf_config
+from megarl.models.builder import build_model
 from megarl.models.hf_checkpoint import SafetensorsReader, write_index, write_shard
 from megarl.models.state_dict_adapter import assemble_shard, merge_shards, param_mappings
 
@@ -27,6 +28,20 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
+
+
+def load_hf_model(
+    model_dir: str,
+    layout: ParallelLayout,
+    dtype: str = "float32",
+    layer_spec: str = "auto",
+    make_vocab_size_divisible_by: int = 128,
+) -> tuple[torch.nn.Module, Architecture]:
+    """Build this rank's stage of the HF model in `model_dir` and load its weights."""
+    arch = architecture_from_hf(read_hf_config(model_dir), source=f"{model_dir}/config.json")
+    model = build_model(arch, layout, dtype, layer_spec, make_vocab_size_divisible_by)
+    load_hf_weights(model, arch, layout, model_dir)
+    return model, arch
 
 
 @torch.no_grad()
