@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 import sys
 import types
 from dataclasses import dataclass
@@ -91,8 +92,10 @@ def _patched(owner, name: str, value):
 
 
 def _wrap_with(owner, name: str, context: Callable[[], contextlib.AbstractContextManager]):
-    """Replace `owner.name` by a function that runs the original inside `context()`."""
-    original = getattr(owner, name)
+    """Replace `owner.name` (a function or method) by one that runs the original inside `context()`."""
+    raw = inspect.getattr_static(owner, name)
+    descriptor = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
+    original = raw.__func__ if descriptor else raw
     if getattr(original, "_megarl_bridged", False):
         return
 
@@ -102,7 +105,7 @@ def _wrap_with(owner, name: str, context: Callable[[], contextlib.AbstractContex
             return original(*args, **kwargs)
 
     bridged._megarl_bridged = True
-    setattr(owner, name, bridged)
+    setattr(owner, name, descriptor(bridged) if descriptor else bridged)
 
 
 def _cuda_type_names():
@@ -188,7 +191,8 @@ BRIDGES = (
 def apply_cpu_compat(skip: Iterable[str] = ()) -> None:
     """Bridge every CUDA assumption of megatron-core, except those named in `skip` (for tests).
 
-    Does nothing when CUDA is available. Call once per process, before building models.
+    Does nothing when CUDA is available or when already applied in this process (the first call
+    decides the set of bridges). Call before building models.
     """
     if torch.cuda.is_available():
         return
@@ -196,9 +200,11 @@ def apply_cpu_compat(skip: Iterable[str] = ()) -> None:
     unknown = skip - {bridge.name for bridge in BRIDGES}
     if unknown:
         raise ValueError(f"unknown CPU bridges {sorted(unknown)}; known: {[b.name for b in BRIDGES]}")
-    view = _torch_view()
     for module_name in _MEGATRON_ENTRY_POINTS:
         importlib.import_module(module_name)
+    if isinstance(sys.modules["megatron.core.utils"].torch, _ForwardingView):
+        return
+    view = _torch_view()
     for name, module in list(sys.modules.items()):
         if name.startswith("megatron.core") and getattr(module, "torch", None) is torch:
             module.torch = view

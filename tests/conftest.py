@@ -1,0 +1,48 @@
+"""Shared fixtures: tiny HF models made locally, and launching real torchrun worlds on CPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "checkpoints_tools"))
+
+import make_tiny_model  # noqa: E402
+
+# Every family, tied and untied, plus a value model: the models parity tests run over.
+TINY_MODELS = {
+    "llama-tied": ["--family", "llama"],
+    "llama-untied": ["--family", "llama", "--no-tied"],
+    "qwen2-tied": ["--family", "qwen2"],
+    "qwen2-untied": ["--family", "qwen2", "--no-tied", "--max-shard-size", "300KB"],
+    "qwen2-value": ["--family", "qwen2", "--value-model"],
+    "qwen3-tied": ["--family", "qwen3"],
+    "qwen3-untied": ["--family", "qwen3", "--no-tied"],
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_models")
+    for seed, (name, args) in enumerate(TINY_MODELS.items()):
+        make_tiny_model.main(["--out", str(root / name), "--seed", str(seed), *args])
+    return {name: root / name for name in TINY_MODELS}
+
+
+def torchrun(nproc: int, script: str | Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run `script` under torchrun with `nproc` CPU processes; returns the finished process."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        str(script), *map(str, args),
+    ]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def assert_succeeded(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"

@@ -1,0 +1,103 @@
+"""Megatron code paths that each CPU bridge guards, run in a 2-process gloo world.
+
+    torchrun --nproc_per_node=2 cpu_compat_scenarios.py --hf DIR [--skip BRIDGE]
+
+With every bridge applied all scenarios must pass; with `--skip B` the scenario of bridge B must
+fail (that is what makes the bridge necessary). Prints `PASS <scenario>` or `ERROR <scenario>: ...`.
+"""
+
+import argparse
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--hf", required=True, help="a tiny tied HF model")
+parser.add_argument("--skip", default=None, help="leave this bridge out and run only its scenario")
+args = parser.parse_args()
+
+from megarl.distributed import cpu_compat  # noqa: E402
+
+cpu_compat.apply_cpu_compat(skip=[args.skip] if args.skip else [])
+
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32  # noqa: E402
+
+from megarl.distributed import init_layout  # noqa: E402
+from megarl.engine.forward import forward_outputs  # noqa: E402
+from megarl.models.architecture import architecture_from_hf, read_hf_config  # noqa: E402
+from megarl.models.builder import build_model  # noqa: E402
+
+arch = architecture_from_hf(read_hf_config(args.hf))
+tokens_BT = torch.randint(0, arch.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+def rng_tracker():
+    init_layout(tp=2)  # seeds megatron's tensor-parallel RNG tracker
+
+
+def current_device():
+    layout = init_layout(tp=2)
+    model = build_model(arch, layout)
+    positions_BT = torch.arange(tokens_BT.shape[1]).expand_as(tokens_BT)
+    model(tokens_BT, positions_BT, attention_mask=None)  # RoPE frequencies, attention buffers
+
+
+def cuda_factories():
+    layout = init_layout(tp=2)
+    forward_outputs(build_model(arch, layout), layout, tokens_BT, micro_batch_size=1)
+
+
+def synchronize():
+    layout = init_layout(pp=2)
+    forward_outputs(build_model(arch, layout), layout, tokens_BT, micro_batch_size=1)
+
+
+def tensor_cuda():
+    assert arch.tie_word_embeddings
+    build_model(arch, init_layout(pp=2))  # last stage copies the tied embedding
+
+
+def clip_grads_type():
+    param = torch.nn.Parameter(torch.ones(4))
+    param.grad = torch.full((4,), 2.0)
+    clip_grad_by_total_norm_fp32([param], max_norm=1.0, total_norm=4.0)
+    assert torch.allclose(param.grad, torch.full((4,), 0.5), atol=1e-5)
+
+
+def optimizer_type():
+    layout = init_layout(tp=1)  # DP=2: the distributed optimizer shards the state over both ranks
+    model = build_model(arch, layout)
+    ddp = DistributedDataParallel(
+        model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model
+    )
+    get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True), [ddp])
+
+
+SCENARIOS = {f.__name__: f for f in (rng_tracker, current_device, cuda_factories, synchronize, tensor_cuda,
+                                     clip_grads_type, optimizer_type)}
+assert set(SCENARIOS) == {bridge.name for bridge in cpu_compat.BRIDGES}
+
+failed = False
+for name, scenario in SCENARIOS.items():
+    if args.skip and name != args.skip:
+        continue
+    try:
+        scenario()
+        if os.environ["RANK"] == "0":
+            print(f"PASS {name}", flush=True)
+    except Exception as error:  # report, then fail the launch
+        message = str(error).splitlines()[0] if str(error) else ""
+        failing_line = traceback.extract_tb(error.__traceback__)[-1].line
+        print(f"ERROR {name}: {type(error).__name__}: {message} (at: {failing_line})", flush=True)
+        traceback.print_exc(file=sys.stderr)
+        failed = True
+if dist.is_initialized() and not failed:
+    dist.destroy_process_group()
+# A failed rank may leave its peer blocked in a collective: exit hard.
+sys.stdout.flush()
+os._exit(3 if failed else 0)

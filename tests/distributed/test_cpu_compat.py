@@ -1,0 +1,26 @@
+"""Each CPU bridge for megatron-core is needed: its megatron path passes with it and fails without."""
+
+from __future__ import annotations
+
+import pytest
+
+from megarl.distributed.cpu_compat import BRIDGES
+from tests.conftest import ROOT, assert_succeeded, torchrun
+
+SCRIPT = ROOT / "tests/distributed/scripts/cpu_compat_scenarios.py"
+
+
+def test_every_scenario_passes_with_all_bridges(tiny_models):
+    result = torchrun(2, SCRIPT, "--hf", tiny_models["qwen2-tied"])
+    assert_succeeded(result)
+    for bridge in BRIDGES:
+        assert f"PASS {bridge.name}" in result.stdout
+
+
+@pytest.mark.parametrize("bridge", [b.name for b in BRIDGES])
+def test_scenario_fails_without_its_bridge(tiny_models, bridge):
+    result = torchrun(2, SCRIPT, "--hf", tiny_models["qwen2-tied"], "--skip", bridge, timeout=120)
+    assert result.returncode != 0
+    errors = [line for line in result.stdout.splitlines() if line.startswith(f"ERROR {bridge}:")]
+    assert errors, result.stdout + result.stderr[-3000:]
+    assert "cuda" in errors[0].lower(), errors[0]
