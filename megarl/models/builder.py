@@ -15,12 +15,13 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.transformer import TransformerConfig
 
+from megarl.config.schema import LAYER_SPECS
+from megarl.distributed.launch import device
 from megarl.distributed.layout import ParallelLayout
 from megarl.models.architecture import Architecture, check_layout_fits, padded_vocab_size
 from megarl.models.value_head import ValueHead
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-LAYER_SPECS = ("auto", "local", "transformer_engine")
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def transformer_engine_usable() -> bool:
@@ -46,7 +47,7 @@ def resolve_layer_spec(layer_spec: str) -> str:
 def transformer_config(
     arch: Architecture, layout: ParallelLayout, dtype: str, sequence_parallel: bool = False
 ) -> TransformerConfig:
-    params_dtype = DTYPES[dtype]
+    params_dtype = TORCH_DTYPES[dtype]
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -114,5 +115,7 @@ def build_model(
         seq_len_interpolation_factor=arch.rope_factor if arch.rope_type == "linear" else None,
     )
     if arch.value_model and layout.is_last_stage:
-        model.output_layer = ValueHead(arch.hidden_size, config.sequence_parallel, layout.tp_group, config.params_dtype)
+        model.output_layer = ValueHead(
+            arch.hidden_size, config.sequence_parallel, layout.tp_group, config.params_dtype, device()
+        )
     return model

@@ -13,9 +13,9 @@ from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 
 class ValueHead(torch.nn.Module):
-    def __init__(self, hidden_size: int, sequence_parallel: bool, tp_group, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, sequence_parallel: bool, tp_group, dtype: torch.dtype, device):
         super().__init__()
-        self.score = torch.nn.Linear(hidden_size, 1, dtype=dtype)
+        self.score = torch.nn.Linear(hidden_size, 1, dtype=dtype, device=device)
         self.sequence_parallel = sequence_parallel
         self.tp_group = tp_group
 

@@ -1,0 +1,31 @@
+# The two commands of the README. Each creates or updates .venv and installs what it needs;
+# with everything installed they go straight to work.
+VENV := .venv
+PYTHON := $(VENV)/bin/python
+INSTALLED := $(VENV)/.installed
+OUT := outputs/quickstart
+export OMP_NUM_THREADS := 1
+
+.PHONY: quickstart test install clean
+
+quickstart: $(INSTALLED)
+	$(PYTHON) checkpoints_tools/make_tiny_model.py --family qwen2 --out $(OUT)/model
+	$(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=2 \
+		checkpoints_tools/compare_logits.py --hf $(OUT)/model --tp 2
+
+test: $(INSTALLED)
+	$(PYTHON) -m pytest
+
+install: $(INSTALLED)
+
+# vLLM's CPU build drags in CUDA builds of torchvision/torchaudio/torchcodec and triton, which
+# break `import transformers` next to the CPU torch: they are removed after installing.
+$(INSTALLED): setup.py
+	test -x $(PYTHON) || python3 -m venv $(VENV)
+	$(PYTHON) -m pip install --quiet --upgrade pip
+	$(PYTHON) -m pip install --quiet -e ".[cpu,test]"
+	$(PYTHON) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec triton 2>/dev/null || true
+	touch $@
+
+clean:
+	rm -rf $(VENV) outputs
