@@ -62,7 +62,7 @@ def make_config(args, tokenizer: PreTrainedTokenizerFast):
         head_dim=args.hidden_size // args.num_heads,
         max_position_embeddings=args.max_position_embeddings,
         rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
+        rope_parameters=rope_parameters(args),
         tie_word_embeddings=args.tied and not args.value_model,
         initializer_range=args.init_std,
         num_labels=1,
@@ -70,6 +70,16 @@ def make_config(args, tokenizer: PreTrainedTokenizerFast):
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
     )
+
+
+def rope_parameters(args) -> dict:
+    parameters = {"rope_type": args.rope_type, "rope_theta": args.rope_theta}
+    if args.rope_type == "linear":
+        parameters["factor"] = args.rope_factor
+    if args.rope_type == "llama3":  # the constants megatron-core implements
+        parameters.update(factor=args.rope_factor, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192)
+    return parameters
 
 
 @torch.no_grad()
@@ -94,6 +104,8 @@ def main(argv=None) -> None:
     parser.add_argument("--num-kv-heads", type=int, default=2)
     parser.add_argument("--max-position-embeddings", type=int, default=512)
     parser.add_argument("--rope-theta", type=float, default=10000.0)
+    parser.add_argument("--rope-type", choices=["default", "linear", "llama3"], default="default")
+    parser.add_argument("--rope-factor", type=float, default=8.0, help="scaling factor of linear/llama3 RoPE")
     parser.add_argument("--tied", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--value-model", action="store_true", help="a *ForTokenClassification value model")
     parser.add_argument("--init-std", type=float, default=0.05)

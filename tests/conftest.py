@@ -19,6 +19,8 @@ import make_tiny_model  # noqa: E402
 TINY_MODELS = {
     "llama-tied": ["--family", "llama"],
     "llama-untied": ["--family", "llama", "--no-tied"],
+    "llama-rope-llama3": ["--family", "llama", "--rope-type", "llama3", "--rope-theta", "500000"],
+    "qwen2-rope-linear": ["--family", "qwen2", "--rope-type", "linear", "--rope-factor", "4"],
     "qwen2-tied": ["--family", "qwen2"],
     "qwen2-untied": ["--family", "qwen2", "--no-tied", "--max-shard-size", "300KB"],
     "qwen2-value": ["--family", "qwen2", "--value-model"],

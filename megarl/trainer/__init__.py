@@ -1,0 +1,1 @@
+"""The RL loop and the start-up shared by the launchers."""

@@ -1,0 +1,52 @@
+"""Start-up shared by the launchers: config, layout check, joining the world, the run directory.
+
+    config, layout, run_dir = start_run(["--config", "configs/x.yaml", "actor.tp=2"])
+
+Every user mistake in the config fails here, before any process group or model exists, with a
+one-line `ConfigError` naming the dotted key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from megarl.config import ConfigError, RunConfig, load_config, save_resolved, validate_layout
+from megarl.distributed import ParallelLayout, init_layout
+
+
+@dataclass(frozen=True)
+class Run:
+    config: RunConfig
+    layout: ParallelLayout
+    run_dir: Path
+
+
+def parse_config(argv: Sequence[str]) -> RunConfig:
+    """`--config FILE key=value ...` -> a validated config that fits this torchrun world."""
+    parser = argparse.ArgumentParser(description="megarl run: a YAML config plus dotted overrides")
+    parser.add_argument("--config", help="YAML file under configs/")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.tp=2 trainer.total_steps=5")
+    args = parser.parse_args(argv)
+    config = load_config(args.config, args.overrides)
+    validate_layout(config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    if not (Path(config.model.path) / "config.json").is_file():
+        raise ConfigError(
+            f"config key 'model.path' = {config.model.path!r} has no config.json; "
+            "expected a HuggingFace model directory (make one with checkpoints_tools/make_tiny_model.py)"
+        )
+    return config
+
+
+def start_run(argv: Sequence[str]) -> Run:
+    """Parse the config, join the torchrun world at the actor's layout; rank 0 writes config.yaml."""
+    config = parse_config(argv)
+    actor = config.actor
+    layout = init_layout(tp=actor.tp, pp=actor.pp, cp=actor.cp, ep=actor.ep, seed=config.trainer.seed)
+    run_dir = Path(config.trainer.output_dir) / config.trainer.experiment_name
+    if layout.rank == 0:
+        save_resolved(config, run_dir / "config.yaml")
+    return Run(config, layout, run_dir)

@@ -1,0 +1,11 @@
+"""Start a run under torchrun and report the layout each rank joined."""
+
+import sys
+
+import torch.distributed as dist
+
+from megarl.trainer.startup import start_run
+
+run = start_run(sys.argv[1:])
+print(f"rank {run.layout.rank}: {run.layout} tp_rank={run.layout.tp_rank} run_dir={run.run_dir}", flush=True)
+dist.destroy_process_group()
