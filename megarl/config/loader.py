@@ -17,7 +17,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, ValidationError
 
-from megarl.config.schema import DTYPES, LAYER_SPECS, RunConfig
+from megarl.config.schema import DTYPES, LAYER_SPECS, LR_DECAY_STYLES, OPTIMIZERS, RunConfig
 
 
 class ConfigError(ValueError):
@@ -65,8 +65,13 @@ def validate(config: RunConfig) -> None:
     _check_choice("model.dtype", config.model.dtype, DTYPES)
     _check_choice("model.layer_spec", config.model.layer_spec, LAYER_SPECS)
     _check_at_least("model.make_vocab_size_divisible_by", config.model.make_vocab_size_divisible_by, 1)
-    for name in ("tp", "pp", "cp", "ep"):
-        _check_at_least(f"actor.{name}", getattr(config.actor, name), 1)
+    actor = config.actor
+    for name in ("tp", "pp", "cp", "ep", "ppo_mini_batch_size", "ppo_epochs", "micro_batch_size_per_rank",
+                 "max_token_len_per_rank", "logprob_chunk_size"):
+        _check_at_least(f"actor.{name}", getattr(actor, name), 1)
+    _check_choice("actor.optim.optimizer", actor.optim.optimizer, OPTIMIZERS)
+    _check_choice("actor.optim.lr_decay_style", actor.optim.lr_decay_style, LR_DECAY_STYLES)
+    _check_at_least("actor.optim.lr_warmup_steps", actor.optim.lr_warmup_steps, 0)
     _check_at_least("trainer.total_steps", config.trainer.total_steps, 1)
 
 

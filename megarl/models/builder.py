@@ -45,7 +45,7 @@ def resolve_layer_spec(layer_spec: str) -> str:
 
 
 def transformer_config(
-    arch: Architecture, layout: ParallelLayout, dtype: str, sequence_parallel: bool = False
+    arch: Architecture, layout: ParallelLayout, dtype: str, recompute_activations: bool = False
 ) -> TransformerConfig:
     params_dtype = TORCH_DTYPES[dtype]
     return TransformerConfig(
@@ -69,7 +69,10 @@ def transformer_config(
         pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
-        sequence_parallel=sequence_parallel,
+        # Full recomputation of every layer: activations of one layer input per layer are kept.
+        recompute_granularity="full" if recompute_activations else None,
+        recompute_method="uniform" if recompute_activations else None,
+        recompute_num_layers=1 if recompute_activations else None,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
@@ -91,11 +94,12 @@ def build_model(
     dtype: str = "float32",
     layer_spec: str = "auto",
     make_vocab_size_divisible_by: int = 128,
+    recompute_activations: bool = False,
 ) -> GPTModel:
     """The stage of `arch` that this rank holds: its layers, embedding on the first stage, and the
     output layer (or value head for value models) on the last stage."""
     check_layout_fits(arch, layout.tp, layout.pp)
-    config = transformer_config(arch, layout, dtype)
+    config = transformer_config(arch, layout, dtype, recompute_activations)
     if resolve_layer_spec(layer_spec) == "transformer_engine":
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
     else:

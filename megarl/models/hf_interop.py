@@ -36,10 +36,11 @@ def load_hf_model(
     dtype: str = "float32",
     layer_spec: str = "auto",
     make_vocab_size_divisible_by: int = 128,
+    recompute_activations: bool = False,
 ) -> tuple[torch.nn.Module, Architecture]:
     """Build this rank's stage of the HF model in `model_dir` and load its weights."""
     arch = architecture_from_hf(read_hf_config(model_dir), source=f"{model_dir}/config.json")
-    model = build_model(arch, layout, dtype, layer_spec, make_vocab_size_divisible_by)
+    model = build_model(arch, layout, dtype, layer_spec, make_vocab_size_divisible_by, recompute_activations)
     load_hf_weights(model, arch, layout, model_dir)
     return model, arch
 

@@ -1,0 +1,88 @@
+"""The batch the engine scores and trains on: prompt+response sequences, right-padded.
+
+Each sequence i is `prompt_i + response_i` packed from column 0 and right-padded to T. With causal
+attention, right padding never changes the outputs of real tokens, so no attention mask is needed.
+Per-token quantities of responses (log-probs, values, advantages, masks) are *response-aligned*:
+(B, R) tensors whose column j is the j-th response token, right-padded to the longest response.
+The logits that predict response token j of sequence i sit at position prompt_length_i - 1 + j.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SequenceBatch:
+    tokens_BT: torch.Tensor
+    """Token ids of prompt then response, right-padded (long)."""
+
+    prompt_lengths_B: torch.Tensor
+    """Number of prompt tokens of each sequence (>= 1)."""
+
+    response_lengths_B: torch.Tensor
+    """Number of response tokens of each sequence (>= 1)."""
+
+    response_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per-token response-aligned (B, R) tensors carried for the loss: advantages, old log-probs..."""
+
+    def __len__(self) -> int:
+        return self.tokens_BT.shape[0]
+
+    @property
+    def sequence_lengths_B(self) -> torch.Tensor:
+        return self.prompt_lengths_B + self.response_lengths_B
+
+    @property
+    def max_response_length(self) -> int:
+        return int(self.response_lengths_B.max())
+
+    @property
+    def response_mask_BR(self) -> torch.Tensor:
+        columns_R = torch.arange(self.max_response_length)
+        return (columns_R[None, :] < self.response_lengths_B[:, None]).float()
+
+    def response_positions_BR(self) -> torch.Tensor:
+        """Positions whose outputs predict each response token (clamped inside the padding)."""
+        columns_R = torch.arange(self.max_response_length)
+        positions = self.prompt_lengths_B[:, None] - 1 + columns_R[None, :]
+        return positions.clamp(max=self.tokens_BT.shape[1] - 2)
+
+    def response_tokens_BR(self) -> torch.Tensor:
+        return self.tokens_BT.gather(1, self.response_positions_BR() + 1)
+
+    def select(self, indices: list[int] | torch.Tensor) -> SequenceBatch:
+        """The sub-batch of `indices`, trimmed to its own longest sequence and response."""
+        indices = torch.as_tensor(indices, dtype=torch.long)
+        prompt_lengths = self.prompt_lengths_B[indices]
+        response_lengths = self.response_lengths_B[indices]
+        length = int((prompt_lengths + response_lengths).max())
+        width = int(response_lengths.max())
+        return SequenceBatch(
+            tokens_BT=self.tokens_BT[indices, :length],
+            prompt_lengths_B=prompt_lengths,
+            response_lengths_B=response_lengths,
+            response_tensors={k: v[indices, :width] for k, v in self.response_tensors.items()},
+        )
+
+    def validate(self, max_sequence_length: int) -> None:
+        """Reject batches the engine cannot run, naming the offending sequence."""
+        if len(self) == 0:
+            raise ValueError("empty batch: the engine needs at least one sequence")
+        lengths = self.sequence_lengths_B
+        if int(lengths.max()) > self.tokens_BT.shape[1]:
+            raise ValueError(f"sequence lengths up to {int(lengths.max())} exceed tokens_BT width {self.tokens_BT.shape[1]}")
+        if int(self.prompt_lengths_B.min()) < 1 or int(self.response_lengths_B.min()) < 1:
+            raise ValueError("every sequence needs at least one prompt token and one response token")
+        longest = int(lengths.argmax())
+        if int(lengths[longest]) > max_sequence_length:
+            raise ValueError(
+                f"sequence {longest} has {int(lengths[longest])} tokens (prompt {int(self.prompt_lengths_B[longest])}"
+                f" + response {int(self.response_lengths_B[longest])}), over the model's max length {max_sequence_length}"
+            )
+        width = self.max_response_length
+        for name, tensor in self.response_tensors.items():
+            if tensor.shape[0] != len(self) or tensor.shape[1] < width:
+                raise ValueError(f"response tensor {name!r} has shape {tuple(tensor.shape)}; expected ({len(self)}, >={width})")

@@ -1,0 +1,262 @@
+"""One Megatron model on this rank (actor, critic, reference or reward): scoring and training.
+
+Every rank holds the whole batch. The engine deals sequences to DP ranks (balancing tokens), cuts
+each rank's share into micro-batches, runs them through megatron-core's pipeline schedule, and
+hands the results back to every rank: scores are broadcast from the last pipeline stage and
+all-gathered over DP, so `score()` returns the full (B, R) tensors everywhere.
+
+Losses are normalised by *global* counts (tokens or sequences of the whole mini-batch, known to
+every rank), so gradients are summed, not averaged, over micro-batches and DP ranks
+(`calculate_per_token_loss`): the update equals a single big-batch step at any layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from kernels.vocab_parallel_logprobs import logprobs_and_entropy
+from megarl.config.schema import EngineConfig, ModelConfig
+from megarl.distributed.launch import device
+from megarl.distributed.layout import ParallelLayout
+from megarl.engine.batch import SequenceBatch
+from megarl.engine.batching import budgeted_micro_batches, fixed_micro_batches, split_over_data_parallel, token_imbalance
+from megarl.engine.memory import MemoryPhases
+from megarl.models.hf_interop import load_hf_model
+
+
+@dataclass(frozen=True)
+class LossNormalizer:
+    """Global counts of the mini-batch that losses divide by (the same on every rank)."""
+
+    num_tokens: int
+    num_sequences: int
+
+
+# loss_fn(outputs, micro_batch, normalizer) -> (loss, metrics); outputs are (b, R) tensors named
+# "logprobs" and "entropy" (language models) or "values" (value models).
+LossFn = Callable[[dict, SequenceBatch, LossNormalizer], tuple[torch.Tensor, dict]]
+
+
+class MegatronEngine:
+    def __init__(
+        self,
+        layout: ParallelLayout,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        model_path: str | None = None,
+        total_optimizer_steps: int | None = None,
+    ):
+        """Load `model_path` (default `model_config.path`); trainable when `total_optimizer_steps` is set."""
+        self.layout, self.config = layout, config
+        self.module, self.arch = load_hf_model(
+            model_path or model_config.path, layout, model_config.dtype, model_config.layer_spec,
+            model_config.make_vocab_size_divisible_by, recompute_activations=config.recompute_activations,
+        )
+        model_settings = self.module.config
+        model_settings.variable_seq_lengths = True  # micro-batches are padded to their own length
+        model_settings.calculate_per_token_loss = True  # losses arrive globally normalised
+        model_settings.finalize_model_grads_func = _finalize_without_token_scaling
+        self.model = self.module
+        self.optimizer = self.scheduler = None
+        if total_optimizer_steps is not None:
+            self._make_trainable(model_config, total_optimizer_steps)
+        self.memory = MemoryPhases(self.model, self.optimizer)
+
+    def _make_trainable(self, model_config: ModelConfig, total_optimizer_steps: int) -> None:
+        optim = self.config.optim
+        distributed = self.config.use_distributed_optimizer and self.layout.dp > 1
+        self.model = DistributedDataParallel(
+            self.module.config, DistributedDataParallelConfig(use_distributed_optimizer=distributed), self.module
+        )
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer=optim.optimizer, lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+                adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+                clip_grad=optim.clip_grad, bf16=model_config.dtype == "bfloat16",
+                fp16=model_config.dtype == "float16", params_dtype=self.module.config.params_dtype,
+                use_distributed_optimizer=distributed,
+            ),
+            [self.model],
+        )
+        self.module.config.grad_scale_func = self.optimizer.scale_loss  # fp16 loss scaling (identity else)
+        if optim.lr_warmup_steps >= max(total_optimizer_steps, 1) and optim.lr_decay_style != "constant":
+            raise ValueError(
+                f"actor.optim.lr_warmup_steps={optim.lr_warmup_steps} must be below the run's "
+                f"{total_optimizer_steps} optimizer steps for a {optim.lr_decay_style} decay"
+            )
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if optim.lr_warmup_steps else optim.lr, max_lr=optim.lr,
+            min_lr=optim.min_lr, lr_warmup_steps=optim.lr_warmup_steps,
+            lr_decay_steps=max(total_optimizer_steps, optim.lr_warmup_steps + 1),
+            lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
+            wd_incr_steps=max(total_optimizer_steps, 1), wd_incr_style="constant",
+        )
+
+    # ---- planning -------------------------------------------------------------------------------
+
+    def _plan(self, batch: SequenceBatch) -> tuple[list[list[int]], list[list[int]]]:
+        """(indices of every DP rank, this rank's micro-batches as index lists)."""
+        batch.validate(self.arch.max_position_embeddings)
+        lengths = batch.sequence_lengths_B
+        dynamic = self.config.use_dynamic_batch_size
+        ranks = split_over_data_parallel(lengths, self.layout.dp, equal_counts=not dynamic)
+        mine = ranks[self.layout.dp_rank]
+        if dynamic:
+            micro = budgeted_micro_batches(mine, lengths, self.config.max_token_len_per_rank)
+        else:
+            micro = fixed_micro_batches(mine, self.config.micro_batch_size_per_rank)
+        return ranks, micro
+
+    def _run_schedule(self, batch: SequenceBatch, micro: list[list[int]], loss_func, forward_only: bool) -> list:
+        micro_batches = [batch.select(indices) for indices in micro]
+        data = iter(micro_batches)
+
+        def forward_step(data_iterator, model):
+            micro_batch = next(data_iterator)
+            tokens_bT = micro_batch.tokens_BT.to(device())
+            positions_bT = torch.arange(tokens_bT.shape[1], device=tokens_bT.device).expand_as(tokens_bT)
+            return model(tokens_bT, positions_bT, attention_mask=None), partial(loss_func, micro_batch)
+
+        longest = max(mb.tokens_BT.shape[1] for mb in micro_batches)
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=data, model=[self.model],
+            num_microbatches=len(micro_batches), seq_length=longest,
+            micro_batch_size=max(len(mb) for mb in micro_batches), forward_only=forward_only,
+        )
+
+    # ---- outputs of the model for response tokens -------------------------------------------------
+
+    def _response_outputs(self, micro_batch: SequenceBatch, output_bTV: torch.Tensor, temperature: float) -> dict:
+        b, T = micro_batch.tokens_BT.shape
+        positions_bR = micro_batch.response_positions_BR().to(output_bTV.device)
+        mask_bR = micro_batch.response_mask_BR.to(output_bTV.device)
+        rows = (positions_bR + T * torch.arange(b, device=positions_bR.device)[:, None]).flatten()
+        if self.arch.value_model:
+            values = output_bTV.reshape(b * T)[rows].view(b, -1).float()
+            return {"values": values * mask_bR}
+        local_vocab = output_bTV.shape[-1]
+        logprobs, entropy = logprobs_and_entropy(
+            output_bTV.reshape(b * T, local_vocab)[rows],
+            micro_batch.response_tokens_BR().flatten().to(output_bTV.device),
+            group=self.layout.tp_group,
+            vocab_start=self.layout.tp_rank * local_vocab,
+            vocab_size=self.arch.vocab_size,
+            temperature=temperature,
+            chunk_size=self.config.logprob_chunk_size,
+        )
+        return {"logprobs": logprobs.view(b, -1) * mask_bR, "entropy": entropy.view(b, -1) * mask_bR}
+
+    # ---- scoring ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def score(self, batch: SequenceBatch, temperature: float = 1.0) -> dict[str, torch.Tensor]:
+        """Per-token (B, R) log-probs and entropy of the responses (or values), on every rank."""
+        self.model.eval()
+        ranks, micro = self._plan(batch)
+
+        def collect(micro_batch, output):
+            return torch.zeros((), device=output.device), torch.tensor(0), self._response_outputs(
+                micro_batch, output, temperature
+            )
+
+        collected = self._run_schedule(batch, micro, collect, forward_only=True)
+        names = ("values",) if self.arch.value_model else ("logprobs", "entropy")
+        width = batch.max_response_length
+        mine = ranks[self.layout.dp_rank]
+        local = {name: torch.zeros(len(mine), width, device=device()) for name in names}
+        if self.layout.is_last_stage:
+            row_of = {index: row for row, index in enumerate(mine)}
+            for indices, outputs in zip(micro, collected):
+                rows = [row_of[index] for index in indices]
+                for name in names:
+                    local[name][rows, : outputs[name].shape[1]] = outputs[name]
+        return {name: self._share(local[name], ranks, len(batch)) for name in names}
+
+    def _share(self, local_bR: torch.Tensor, ranks: list[list[int]], batch_size: int) -> torch.Tensor:
+        """Last stage -> all stages (broadcast over PP), then all DP ranks (gather), in batch order."""
+        layout = self.layout
+        if layout.pp > 1:
+            last_stage = dist.get_process_group_ranks(layout.pp_group)[-1]
+            dist.broadcast(local_bR, src=last_stage, group=layout.pp_group)
+        # Row k of local_bR is sequence ranks[dp_rank][k].
+        padded = max(len(indices) for indices in ranks)
+        send = torch.zeros(padded, local_bR.shape[1], device=local_bR.device)
+        send[: local_bR.shape[0]] = local_bR
+        gathered = [torch.empty_like(send) for _ in range(layout.dp)]
+        dist.all_gather(gathered, send, group=layout.dp_group)
+        result = torch.zeros(batch_size, local_bR.shape[1], device=local_bR.device)
+        for rank_rows, indices in zip(gathered, ranks):
+            result[indices] = rank_rows[: len(indices)]
+        return result.cpu()
+
+    # ---- training ---------------------------------------------------------------------------------
+
+    def train_mini_batch(self, batch: SequenceBatch, loss_fn: LossFn, temperature: float = 1.0) -> dict[str, float]:
+        """One optimizer step on `batch` (the whole mini-batch, on every rank); returns its metrics:
+        the loss terms summed over micro-batches and DP ranks, grad norm, learning rate, DP imbalance."""
+        assert self.optimizer is not None, "engine was built without an optimizer (inference only)"
+        self.model.train()
+        ranks, micro = self._plan(batch)
+        normalizer = LossNormalizer(int(batch.response_lengths_B.sum()), len(batch))
+
+        def loss_func(micro_batch, output):
+            loss, metrics = loss_fn(self._response_outputs(micro_batch, output, temperature), micro_batch, normalizer)
+            reported = {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
+            return loss, torch.tensor(int(micro_batch.response_lengths_B.sum())), reported
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        collected = self._run_schedule(batch, micro, loss_func, forward_only=False)
+        update_successful, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        metrics = self._reduce_metrics(collected)
+        metrics.update(
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            lr=self.optimizer.param_groups[0]["lr"],
+            update_skipped=float(not update_successful),
+            dp_token_imbalance=token_imbalance(batch.sequence_lengths_B, ranks),
+        )
+        return metrics
+
+    def _reduce_metrics(self, collected: list[dict]) -> dict[str, float]:
+        """Sum metric contributions over micro-batches and DP on the last stage, share over PP."""
+        metrics = None
+        if self.layout.is_last_stage:
+            names = sorted(collected[0])
+            sums = torch.stack([sum(c[name].float() for c in collected) for name in names])
+            dist.all_reduce(sums, group=self.layout.dp_group)
+            metrics = dict(zip(names, sums.tolist()))
+        if self.layout.pp > 1:
+            box = [metrics]
+            dist.broadcast_object_list(box, src=dist.get_process_group_ranks(self.layout.pp_group)[-1],
+                                       group=self.layout.pp_group)
+            metrics = box[0]
+        return metrics
+
+    def update(self, batch: SequenceBatch, loss_fn: LossFn, samples_per_prompt: int, seed: int,
+               temperature: float = 1.0) -> list[dict[str, float]]:
+        """`ppo_epochs` passes over `batch` in shuffled mini-batches of `ppo_mini_batch_size` prompts
+        (times `samples_per_prompt` sequences): every sequence is used exactly once per epoch."""
+        mini_batch = self.config.ppo_mini_batch_size * samples_per_prompt
+        history = []
+        for epoch in range(self.config.ppo_epochs):
+            order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+            for start in range(0, len(batch), mini_batch):
+                history.append(self.train_mini_batch(batch.select(order[start : start + mini_batch]), loss_fn,
+                                                     temperature))
+        return history
+
+
+def _finalize_without_token_scaling(model, num_tokens=None, pg_collection=None, **kwargs):
+    # Gradients are already normalised by global counts; only synchronise them (DP all-reduce,
+    # tied-embedding and layer-norm reductions), never divide again by token counts.
+    finalize_model_grads(model, None, pg_collection=pg_collection, **kwargs)

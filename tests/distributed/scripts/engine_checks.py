@@ -1,0 +1,90 @@
+"""Engine checks at one layout: scoring vs `transformers`, then one optimizer step, exported to HF.
+
+Prints one JSON line (rank 0) with the max differences and the step's metrics; the test compares
+the exported weights across layouts.
+"""
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+from megarl.config.schema import EngineConfig, ModelConfig, OptimizerConfig
+from megarl.distributed import init_layout
+from megarl.engine.batch import SequenceBatch
+from megarl.engine.megatron_engine import MegatronEngine
+from megarl.models.hf_interop import export_hf
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--policy", required=True)
+parser.add_argument("--value", required=True)
+parser.add_argument("--out", required=True)
+parser.add_argument("--tp", type=int, default=1)
+parser.add_argument("--pp", type=int, default=1)
+parser.add_argument("--dynamic", action="store_true", help="token-budget micro-batches")
+args = parser.parse_args()
+
+TEMPERATURE = 0.7
+layout = init_layout(tp=args.tp, pp=args.pp)
+generator = torch.Generator().manual_seed(0)
+prompt_lengths = torch.tensor([5, 3, 8, 4, 6, 2, 7, 3])
+response_lengths = torch.tensor([10, 12, 6, 15, 1, 9, 4, 13])
+tokens = torch.randint(5, 100, (8, 24), generator=generator)
+batch = SequenceBatch(tokens, prompt_lengths, response_lengths)
+engine_config = EngineConfig(
+    micro_batch_size_per_rank=2, use_dynamic_batch_size=args.dynamic, max_token_len_per_rank=40,
+    optim=OptimizerConfig(lr=1e-3, adam_eps=1e-6, clip_grad=1.0, weight_decay=0.01),
+)
+
+
+def hf_response_outputs(model_dir, value_model):
+    """Reference per-response-token outputs from a `transformers` forward on each sequence."""
+    hf_class = AutoModelForTokenClassification if value_model else AutoModelForCausalLM
+    model = hf_class.from_pretrained(model_dir, dtype=torch.float32).eval()
+    width = int(response_lengths.max())
+    results = {name: torch.zeros(8, width) for name in (("values",) if value_model else ("logprobs", "entropy"))}
+    with torch.no_grad():
+        for i in range(8):
+            length = int(prompt_lengths[i] + response_lengths[i])
+            out = model(tokens[i : i + 1, :length]).logits[0]
+            rows = out[int(prompt_lengths[i]) - 1 : length - 1]
+            if value_model:
+                results["values"][i, : len(rows)] = rows[:, 0]
+                continue
+            log_p = torch.log_softmax(rows / TEMPERATURE, dim=-1)
+            targets = tokens[i, int(prompt_lengths[i]) : length]
+            results["logprobs"][i, : len(rows)] = log_p.gather(1, targets[:, None]).squeeze(1)
+            results["entropy"][i, : len(rows)] = -(log_p.exp() * log_p).sum(-1)
+    return results
+
+
+def max_diff(scores, reference):
+    return max(float((scores[name] - reference[name]).abs().max()) for name in reference)
+
+
+report = {}
+policy = MegatronEngine(layout, ModelConfig(path=args.policy), engine_config, total_optimizer_steps=10)
+scores = policy.score(batch, temperature=TEMPERATURE)
+critic = MegatronEngine(layout, ModelConfig(path=args.value), engine_config)
+values = critic.score(batch)
+if dist.get_rank() == 0:
+    report["logprob_entropy_diff"] = max_diff(scores, hf_response_outputs(args.policy, False))
+    report["value_diff"] = max_diff(values, hf_response_outputs(args.value, True))
+
+
+def nll_with_entropy_bonus(outputs, micro_batch, normalizer):
+    mask = micro_batch.response_mask_BR.to(outputs["logprobs"].device)
+    entropy = (outputs["entropy"] * mask).sum() / normalizer.num_tokens
+    nll = -(outputs["logprobs"] * mask).sum() / normalizer.num_tokens
+    return nll - 0.01 * entropy, {"entropy": entropy}
+
+
+metrics = policy.train_mini_batch(batch, nll_with_entropy_bonus, temperature=TEMPERATURE)
+export_hf(policy.module, policy.arch, layout, args.out, args.policy)
+report.update(metrics)
+if dist.get_rank() == 0:
+    print("REPORT " + json.dumps(report), flush=True)
+dist.destroy_process_group()

@@ -1,0 +1,63 @@
+"""The training engine at TP1, TP2, PP2, TP2xPP2 and DP2 (4 processes at most).
+
+At every layout: log-probs and entropy (temperature 0.7) and critic values equal `transformers`
+(<= 1e-4), and one AdamW step of a fixed loss (with grad clipping) gives the same weights as at TP1
+(<= 1e-5). PP2 and DP2 use token-budget micro-batches, which must not change the update either.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import ROOT, assert_succeeded, torchrun
+
+SCRIPT = ROOT / "tests/distributed/scripts/engine_checks.py"
+LAYOUTS = {"tp2": (2, ["--tp", 2]), "pp2": (2, ["--pp", 2, "--dynamic"]),
+           "tp2pp2": (4, ["--tp", 2, "--pp", 2]), "dp2": (2, ["--dynamic"])}
+
+
+def _run(tiny_models, out, nproc, extra):
+    result = torchrun(nproc, SCRIPT, "--policy", tiny_models["qwen3-untied"], "--value", tiny_models["qwen2-value"],
+                      "--out", out, *extra)
+    assert_succeeded(result)
+    line = next(line for line in result.stdout.splitlines() if line.startswith("REPORT "))
+    return json.loads(line.removeprefix("REPORT "))
+
+
+def _weights(model_dir):
+    tensors = {}
+    for file in model_dir.glob("*.safetensors"):
+        tensors.update(load_file(file))
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_models, tmp_path_factory):
+    out = tmp_path_factory.mktemp("engine") / "tp1"
+    return _run(tiny_models, out, 1, []), _weights(out)
+
+
+def test_tp1_scores_match_transformers_and_the_step_moves_weights(baseline, tiny_models):
+    report, weights = baseline
+    assert report["logprob_entropy_diff"] <= 1e-4 and report["value_diff"] <= 1e-4
+    source = _weights(tiny_models["qwen3-untied"])
+    moved = max(float((weights[name] - source[name]).abs().max()) for name in source)
+    assert 5e-4 < moved < 2e-3  # an AdamW step of lr 1e-3 moves weights by about lr
+    assert report["grad_norm"] > 1.0 and report["update_skipped"] == 0.0  # clipping was active
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_matches_transformers_and_tp1_step(baseline, tiny_models, tmp_path, layout):
+    base_report, base_weights = baseline
+    nproc, extra = LAYOUTS[layout]
+    report = _run(tiny_models, tmp_path, nproc, extra)
+    assert report["logprob_entropy_diff"] <= 1e-4 and report["value_diff"] <= 1e-4
+    assert report["loss"] == pytest.approx(base_report["loss"], abs=1e-5)
+    assert report["grad_norm"] == pytest.approx(base_report["grad_norm"], rel=1e-5)
+    weights = _weights(tmp_path)
+    for name, tensor in base_weights.items():
+        assert torch.allclose(weights[name], tensor, atol=1e-5, rtol=0), f"{layout}: {name}"

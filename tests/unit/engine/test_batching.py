@@ -1,0 +1,86 @@
+"""Micro-batching and DP splitting: every sample exactly once, budgets respected, balance reported."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megarl.engine.batch import SequenceBatch
+from megarl.engine.batching import (
+    budgeted_micro_batches,
+    fixed_micro_batches,
+    split_over_data_parallel,
+    token_imbalance,
+)
+
+LENGTHS = torch.tensor([120, 30, 75, 300, 12, 64, 64, 200, 33, 90, 150, 7])
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3, 4])
+def test_dynamic_batching_uses_every_sample_once_under_budget(dp):
+    budget = 320
+    ranks = split_over_data_parallel(LENGTHS, dp, equal_counts=False)
+    used = []
+    for indices in ranks:
+        micro = budgeted_micro_batches(indices, LENGTHS, budget)
+        for micro_batch in micro:
+            assert sum(int(LENGTHS[i]) for i in micro_batch) <= budget
+        # The fewest bins the budget allows, plus at most one for packing.
+        total = sum(int(LENGTHS[i]) for i in indices)
+        assert len(micro) <= -(-total // budget) + 1
+        used += [i for micro_batch in micro for i in micro_batch]
+    assert sorted(used) == list(range(len(LENGTHS)))
+    imbalance = token_imbalance(LENGTHS, ranks)
+    # LPT keeps the most-loaded rank within one (the longest) sequence of the mean.
+    mean = int(LENGTHS.sum()) / dp
+    assert 1.0 <= imbalance <= (mean + int(LENGTHS.max())) / mean
+
+
+def test_lpt_split_by_hand():
+    # Longest first, each to the least-loaded rank: 300->r0, 200->r1, 150->r1 (200<300)...
+    ranks = split_over_data_parallel(torch.tensor([300, 200, 150, 100]), 2, equal_counts=False)
+    assert ranks == [[0, 3], [1, 2]]
+    assert token_imbalance(torch.tensor([300, 200, 150, 100]), ranks) == pytest.approx(400 / 375)
+
+
+def test_fixed_split_gives_equal_counts():
+    ranks = split_over_data_parallel(LENGTHS, 4, equal_counts=True)
+    assert [len(r) for r in ranks] == [3, 3, 3, 3]
+    assert sorted(i for r in ranks for i in r) == list(range(12))
+    assert fixed_micro_batches([0, 1, 2, 3, 4], 2) == [[0, 1], [2, 3], [4]]
+
+
+@pytest.mark.parametrize("call,needle", [
+    (lambda: budgeted_micro_batches([0, 3], LENGTHS, 299), "300 tokens exceeds .*max_token_len_per_rank=299"),
+    (lambda: split_over_data_parallel(LENGTHS, 5, equal_counts=True), "12 sequences .* 5 DP ranks; need a multiple"),
+    (lambda: split_over_data_parallel(LENGTHS[:2], 3, equal_counts=False), "need at least 3"),
+])
+def test_bad_budgets_and_splits_fail_clearly(call, needle):
+    with pytest.raises(ValueError, match=needle):
+        call()
+
+
+def _batch(prompt, response, width=12):
+    return SequenceBatch(torch.ones(len(prompt), width, dtype=torch.long), torch.tensor(prompt), torch.tensor(response))
+
+
+@pytest.mark.parametrize("batch,needle", [
+    (_batch([], [], 0), "empty batch"),
+    (_batch([4, 6], [3, 6]), "sequence 1 has 12 tokens .* over the model's max length 10"),
+    (_batch([4, 0], [3, 2]), "at least one prompt token"),
+    (_batch([4, 9], [3, 9]), "exceed tokens_BT width 12"),
+])
+def test_bad_batches_fail_naming_the_sequence(batch, needle):
+    with pytest.raises(ValueError, match=needle):
+        batch.validate(max_sequence_length=10)
+
+
+def test_response_alignment_by_hand():
+    tokens = torch.tensor([[1, 2, 3, 4, 5, 0], [6, 7, 8, 9, 10, 11]])
+    batch = SequenceBatch(tokens, torch.tensor([2, 4]), torch.tensor([3, 2]))
+    # Sequence 0: prompt [1, 2], response [3, 4, 5] predicted from positions 1, 2, 3.
+    assert batch.response_tokens_BR().tolist() == [[3, 4, 5], [10, 11, 11]]
+    assert batch.response_positions_BR().tolist() == [[1, 2, 3], [3, 4, 4]]
+    assert batch.response_mask_BR.tolist() == [[1, 1, 1], [1, 1, 0]]
+    sub = batch.select([1])
+    assert sub.tokens_BT.tolist() == [[6, 7, 8, 9, 10, 11]] and sub.max_response_length == 2
