@@ -17,7 +17,9 @@ Backward recomputes p chunk by chunk from the saved logits and the per-row lse a
     d logprob / d z_v = [v = target] - p_v
     d entropy / d z_v = -p_v (z_v - E_p[z])
 
-and divides by T. Columns past the real vocabulary (Megatron's padding) are excluded: they get
+and divides by T. With `inplace_backward` the gradient is written into the logits' own storage
+(as megatron's vocab-parallel cross entropy does), so backward needs no second (N, V/TP) buffer;
+the caller promises not to read the logits afterwards. Columns past the real vocabulary (Megatron's padding) are excluded: they get
 probability zero and gradient zero. `reference_logprobs_and_entropy` is the plain full-vocabulary
 version the kernel is tested against.
 """
@@ -39,7 +41,7 @@ def _all_reduce(tensor: torch.Tensor, op, group) -> None:
 
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits_NV, targets_N, group, vocab_start, vocab_size, temperature, chunk_size):
+    def forward(ctx, logits_NV, targets_N, group, vocab_start, vocab_size, temperature, chunk_size, inplace_backward):
         num_rows, local_vocab = logits_NV.shape
         valid = _valid_columns(vocab_start, local_vocab, vocab_size)
         stats = torch.zeros(4, num_rows, dtype=torch.float32, device=logits_NV.device)
@@ -53,10 +55,10 @@ class _ChunkedLogProbs(torch.autograd.Function):
             rows = slice(start, min(start + chunk_size, num_rows))
             z = logits_NV[rows, :valid].float() / temperature  # (chunk, valid)
             chunk_max = z.max(dim=-1).values
-            exp_z = torch.exp(z - chunk_max[:, None])
+            exp_z = (z - chunk_max[:, None]).exp_()
             local_max[rows] = chunk_max
             sum_exp[rows] = exp_z.sum(dim=-1)
-            sum_pz[rows] = (exp_z * z).sum(dim=-1)
+            sum_pz[rows] = torch.linalg.vecdot(exp_z, z)
             index = local_targets_N[rows].clamp(0, valid - 1)
             target_z[rows] = torch.where(owned_N[rows], z.gather(1, index[:, None]).squeeze(1), 0.0)
         global_max = local_max.clone()
@@ -68,29 +70,35 @@ class _ChunkedLogProbs(torch.autograd.Function):
         lse_N = global_max + torch.log(total_exp)
         mean_z_N = total_pz / total_exp
         ctx.save_for_backward(logits_NV, targets_N, lse_N, mean_z_N)
-        ctx.config = (vocab_start, vocab_size, temperature, chunk_size)
+        ctx.config = (vocab_start, vocab_size, temperature, chunk_size, inplace_backward)
         return target_z - lse_N, lse_N - mean_z_N
 
     @staticmethod
     def backward(ctx, grad_logprob_N, grad_entropy_N):
         logits_NV, targets_N, lse_N, mean_z_N = ctx.saved_tensors
-        vocab_start, vocab_size, temperature, chunk_size = ctx.config
+        vocab_start, vocab_size, temperature, chunk_size, inplace_backward = ctx.config
         num_rows, local_vocab = logits_NV.shape
         valid = _valid_columns(vocab_start, local_vocab, vocab_size)
-        grad_logits_NV = torch.zeros_like(logits_NV)
+        if inplace_backward:
+            grad_logits_NV = logits_NV  # each chunk is read (into z) before it is overwritten
+            grad_logits_NV[:, valid:] = 0
+        else:
+            grad_logits_NV = torch.zeros_like(logits_NV)
         local_targets_N = targets_N - vocab_start
         owned_N = (local_targets_N >= 0) & (local_targets_N < valid)
         for start in range(0, num_rows, chunk_size):
             if valid == 0:
                 break
             rows = slice(start, min(start + chunk_size, num_rows))
+            # Two (chunk, valid) buffers: z becomes the gradient in place, p is the softmax.
             z = logits_NV[rows, :valid].float() / temperature
-            p = torch.exp(z - lse_N[rows, None])
-            grad_z = -p * grad_logprob_N[rows, None] - p * (z - mean_z_N[rows, None]) * grad_entropy_N[rows, None]
+            p = (z - lse_N[rows, None]).exp_()
+            grad_z = z.sub_(mean_z_N[rows, None]).mul_(grad_entropy_N[rows, None]).add_(grad_logprob_N[rows, None])
+            grad_z.mul_(p).neg_()
             owned_rows = owned_N[rows].nonzero().squeeze(1)
             grad_z[owned_rows, local_targets_N[rows][owned_rows]] += grad_logprob_N[rows][owned_rows]
-            grad_logits_NV[rows, :valid] = (grad_z / temperature).to(logits_NV.dtype)
-        return grad_logits_NV, None, None, None, None, None, None
+            grad_logits_NV[rows, :valid] = grad_z.div_(temperature)
+        return grad_logits_NV, None, None, None, None, None, None, None
 
 
 def logprobs_and_entropy(
@@ -101,6 +109,7 @@ def logprobs_and_entropy(
     vocab_size: int | None = None,
     temperature: float = 1.0,
     chunk_size: int = 1024,
+    inplace_backward: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprob_N, entropy_N) in fp32 from this rank's vocab slice `logits_NV`.
 
@@ -108,7 +117,9 @@ def logprobs_and_entropy(
     vocabulary size, `group` the TP group sharing the vocabulary (None: the whole vocab is local).
     """
     vocab_size = vocab_start + logits_NV.shape[-1] if vocab_size is None else vocab_size
-    return _ChunkedLogProbs.apply(logits_NV, targets_N, group, vocab_start, vocab_size, temperature, chunk_size)
+    return _ChunkedLogProbs.apply(
+        logits_NV, targets_N, group, vocab_start, vocab_size, temperature, chunk_size, inplace_backward
+    )
 
 
 def reference_logprobs_and_entropy(

@@ -117,7 +117,7 @@ class EngineConfig(ParallelConfig):
     """Move parameters, gradients and optimizer state to host memory while the rollout engine
     runs (GPU); on CPU the phases only report what they would move."""
 
-    logprob_chunk_size: int = 1024
+    logprob_chunk_size: int = 256
     """Rows per chunk of the vocab-parallel log-prob/entropy kernel (peak memory vs. speed)."""
 
 

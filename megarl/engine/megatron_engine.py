@@ -152,6 +152,7 @@ class MegatronEngine:
             vocab_size=self.arch.vocab_size,
             temperature=temperature,
             chunk_size=self.config.logprob_chunk_size,
+            inplace_backward=True,  # the gathered response rows belong to the kernel alone
         )
         return {"logprobs": logprobs.view(b, -1) * mask_bR, "entropy": entropy.view(b, -1) * mask_bR}
 

@@ -25,6 +25,7 @@ parser.add_argument("--out", required=True)
 parser.add_argument("--tp", type=int, default=1)
 parser.add_argument("--pp", type=int, default=1)
 parser.add_argument("--dynamic", action="store_true", help="token-budget micro-batches")
+parser.add_argument("--recompute", action="store_true", help="recompute activations in backward")
 args = parser.parse_args()
 
 TEMPERATURE = 0.7
@@ -36,6 +37,7 @@ tokens = torch.randint(5, 100, (8, 24), generator=generator)
 batch = SequenceBatch(tokens, prompt_lengths, response_lengths)
 engine_config = EngineConfig(
     micro_batch_size_per_rank=2, use_dynamic_batch_size=args.dynamic, max_token_len_per_rank=40,
+    recompute_activations=args.recompute,
     optim=OptimizerConfig(lr=1e-3, adam_eps=1e-6, clip_grad=1.0, weight_decay=0.01),
 )
 
@@ -85,6 +87,8 @@ def nll_with_entropy_bonus(outputs, micro_batch, normalizer):
 metrics = policy.train_mini_batch(batch, nll_with_entropy_bonus, temperature=TEMPERATURE)
 export_hf(policy.module, policy.arch, layout, args.out, args.policy)
 report.update(metrics)
+report["offload_bytes"] = policy.memory.offload()  # on CPU: what would move
+report["param_count"] = sum(p.numel() for p in policy.module.parameters())
 if dist.get_rank() == 0:
     print("REPORT " + json.dumps(report), flush=True)
 dist.destroy_process_group()

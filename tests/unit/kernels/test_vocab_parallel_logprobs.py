@@ -17,19 +17,22 @@ def _inputs(num_rows=37, padded_vocab=64, vocab_size=50, seed=0):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 @pytest.mark.parametrize("chunk_size", [5, 1024])
-def test_matches_reference_forward_and_backward(temperature, chunk_size):
-    logits, targets = _inputs()
+@pytest.mark.parametrize("inplace", [False, True])
+def test_matches_reference_forward_and_backward(temperature, chunk_size, inplace):
+    leaf, targets = _inputs()
+    # The kernel owns a copy of the logits (as in the engine, which gathers response rows first).
+    logits = leaf * 1.0 if inplace else leaf
     logprob, entropy = logprobs_and_entropy(logits, targets, vocab_size=50, temperature=temperature,
-                                            chunk_size=chunk_size)
-    ref_logits = logits.detach().clone().requires_grad_()
+                                            chunk_size=chunk_size, inplace_backward=inplace)
+    ref_logits = leaf.detach().clone().requires_grad_()
     ref_logprob, ref_entropy = reference_logprobs_and_entropy(ref_logits, targets, 50, temperature)
     torch.testing.assert_close(logprob, ref_logprob, atol=1e-5, rtol=0)
     torch.testing.assert_close(entropy, ref_entropy, atol=1e-5, rtol=0)
     weights = torch.linspace(-1, 2, len(targets), dtype=torch.float32)
     (logprob * weights + 0.3 * entropy).sum().backward()
     (ref_logprob * weights + 0.3 * ref_entropy).sum().backward()
-    torch.testing.assert_close(logits.grad, ref_logits.grad, atol=1e-5, rtol=0)
-    assert torch.all(logits.grad[:, 50:] == 0)  # padding columns get no gradient
+    torch.testing.assert_close(leaf.grad, ref_logits.grad, atol=1e-5, rtol=0)
+    assert torch.all(leaf.grad[:, 50:] == 0)  # padding columns get no gradient
 
 
 def test_hand_computed_uniform_case():
