@@ -22,9 +22,14 @@ and divides by T. With `inplace_backward` the gradient is written into the logit
 the caller promises not to read the logits afterwards. Columns past the real vocabulary (Megatron's padding) are excluded: they get
 probability zero and gradient zero. `reference_logprobs_and_entropy` is the plain full-vocabulary
 version the kernel is tested against.
+
+On CUDA, when `triton` is installed, the two per-row loops (local statistics, gradient) run as the
+Triton kernels of `triton_logprobs`; the chunked PyTorch loops here are the CPU path.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -39,28 +44,76 @@ def _all_reduce(tensor: torch.Tensor, op, group) -> None:
         dist.all_reduce(tensor, op=op, group=group)
 
 
+@functools.lru_cache(maxsize=None)
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _use_triton(logits_NV: torch.Tensor) -> bool:
+    return logits_NV.is_cuda and _triton_available()
+
+
+def _local_row_stats(logits_NV, local_targets_N, valid, temperature, chunk_size):
+    """(local_max_N, sum_exp_N, sum_pz_N, target_z_N) over the first `valid` columns, chunk by chunk."""
+    num_rows = logits_NV.shape[0]
+    stats = torch.zeros(4, num_rows, dtype=torch.float32, device=logits_NV.device)
+    local_max, sum_exp, sum_pz, target_z = stats
+    local_max.fill_(-torch.inf)
+    owned_N = (local_targets_N >= 0) & (local_targets_N < valid)
+    for start in range(0, num_rows, chunk_size):
+        if valid == 0:
+            break
+        rows = slice(start, min(start + chunk_size, num_rows))
+        z = logits_NV[rows, :valid].float() / temperature  # (chunk, valid)
+        chunk_max = z.max(dim=-1).values
+        exp_z = (z - chunk_max[:, None]).exp_()
+        local_max[rows] = chunk_max
+        sum_exp[rows] = exp_z.sum(dim=-1)
+        sum_pz[rows] = torch.linalg.vecdot(exp_z, z)
+        index = local_targets_N[rows].clamp(0, valid - 1)
+        target_z[rows] = torch.where(owned_N[rows], z.gather(1, index[:, None]).squeeze(1), 0.0)
+    return local_max, sum_exp, sum_pz, target_z
+
+
+def _row_gradients_(grad_out_NV, logits_NV, local_targets_N, lse_N, mean_z_N, grad_logprob_N, grad_entropy_N,
+                    valid, temperature, chunk_size):
+    """Write d/dlogits into every column of `grad_out_NV` (zero past `valid`); it may be `logits_NV`."""
+    num_rows = logits_NV.shape[0]
+    grad_out_NV[:, valid:] = 0
+    owned_N = (local_targets_N >= 0) & (local_targets_N < valid)
+    for start in range(0, num_rows, chunk_size):
+        if valid == 0:
+            break
+        rows = slice(start, min(start + chunk_size, num_rows))
+        # Two (chunk, valid) buffers: z becomes the gradient in place, p is the softmax.
+        z = logits_NV[rows, :valid].float() / temperature
+        p = (z - lse_N[rows, None]).exp_()
+        grad_z = z.sub_(mean_z_N[rows, None]).mul_(grad_entropy_N[rows, None]).add_(grad_logprob_N[rows, None])
+        grad_z.mul_(p).neg_()
+        owned_rows = owned_N[rows].nonzero().squeeze(1)
+        grad_z[owned_rows, local_targets_N[rows][owned_rows]] += grad_logprob_N[rows][owned_rows]
+        grad_out_NV[rows, :valid] = grad_z.div_(temperature)  # each chunk is read (into z) before this write
+    return grad_out_NV
+
+
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_NV, targets_N, group, vocab_start, vocab_size, temperature, chunk_size, inplace_backward):
-        num_rows, local_vocab = logits_NV.shape
+        local_vocab = logits_NV.shape[1]
         valid = _valid_columns(vocab_start, local_vocab, vocab_size)
-        stats = torch.zeros(4, num_rows, dtype=torch.float32, device=logits_NV.device)
-        local_max, sum_exp, sum_pz, target_z = stats
-        local_max.fill_(-torch.inf)
         local_targets_N = targets_N - vocab_start
-        owned_N = (local_targets_N >= 0) & (local_targets_N < valid)
-        for start in range(0, num_rows, chunk_size):
-            if valid == 0:
-                break
-            rows = slice(start, min(start + chunk_size, num_rows))
-            z = logits_NV[rows, :valid].float() / temperature  # (chunk, valid)
-            chunk_max = z.max(dim=-1).values
-            exp_z = (z - chunk_max[:, None]).exp_()
-            local_max[rows] = chunk_max
-            sum_exp[rows] = exp_z.sum(dim=-1)
-            sum_pz[rows] = torch.linalg.vecdot(exp_z, z)
-            index = local_targets_N[rows].clamp(0, valid - 1)
-            target_z[rows] = torch.where(owned_N[rows], z.gather(1, index[:, None]).squeeze(1), 0.0)
+        if _use_triton(logits_NV):
+            from kernels.triton_logprobs import local_row_stats
+
+            local_max, sum_exp, sum_pz, target_z = local_row_stats(logits_NV, local_targets_N, valid, temperature)
+        else:
+            local_max, sum_exp, sum_pz, target_z = _local_row_stats(
+                logits_NV, local_targets_N, valid, temperature, chunk_size
+            )
         global_max = local_max.clone()
         _all_reduce(global_max, dist.ReduceOp.MAX, group)
         scale = torch.exp(local_max - global_max)  # zero on ranks without valid columns
@@ -77,27 +130,17 @@ class _ChunkedLogProbs(torch.autograd.Function):
     def backward(ctx, grad_logprob_N, grad_entropy_N):
         logits_NV, targets_N, lse_N, mean_z_N = ctx.saved_tensors
         vocab_start, vocab_size, temperature, chunk_size, inplace_backward = ctx.config
-        num_rows, local_vocab = logits_NV.shape
+        local_vocab = logits_NV.shape[1]
         valid = _valid_columns(vocab_start, local_vocab, vocab_size)
-        if inplace_backward:
-            grad_logits_NV = logits_NV  # each chunk is read (into z) before it is overwritten
-            grad_logits_NV[:, valid:] = 0
+        grad_logits_NV = logits_NV if inplace_backward else torch.empty_like(logits_NV)
+        gradient_args = (grad_logits_NV, logits_NV, targets_N - vocab_start, lse_N, mean_z_N,
+                         grad_logprob_N, grad_entropy_N, valid, temperature)
+        if _use_triton(logits_NV):
+            from kernels.triton_logprobs import row_gradients_
+
+            row_gradients_(*gradient_args)
         else:
-            grad_logits_NV = torch.zeros_like(logits_NV)
-        local_targets_N = targets_N - vocab_start
-        owned_N = (local_targets_N >= 0) & (local_targets_N < valid)
-        for start in range(0, num_rows, chunk_size):
-            if valid == 0:
-                break
-            rows = slice(start, min(start + chunk_size, num_rows))
-            # Two (chunk, valid) buffers: z becomes the gradient in place, p is the softmax.
-            z = logits_NV[rows, :valid].float() / temperature
-            p = (z - lse_N[rows, None]).exp_()
-            grad_z = z.sub_(mean_z_N[rows, None]).mul_(grad_entropy_N[rows, None]).add_(grad_logprob_N[rows, None])
-            grad_z.mul_(p).neg_()
-            owned_rows = owned_N[rows].nonzero().squeeze(1)
-            grad_z[owned_rows, local_targets_N[rows][owned_rows]] += grad_logprob_N[rows][owned_rows]
-            grad_logits_NV[rows, :valid] = grad_z.div_(temperature)
+            _row_gradients_(*gradient_args, chunk_size)
         return grad_logits_NV, None, None, None, None, None, None, None
 
 

@@ -5,6 +5,10 @@ each rank's share into micro-batches, runs them through megatron-core's pipeline
 hands the results back to every rank: scores are broadcast from the last pipeline stage and
 all-gathered over DP, so `score()` returns the full (B, R) tensors everywhere.
 
+On GPU with Transformer Engine, micro-batches are packed (THD): sequences are concatenated
+without padding and attention restarts at each boundary (`PackedSeqParams`). Elsewhere they are
+right-padded to the micro-batch's longest sequence.
+
 Losses are normalised by *global* counts (tokens or sequences of the whole mini-batch, known to
 every rank), so gradients are summed, not averaged, over micro-batches and DP ranks
 (`calculate_per_token_loss`): the update equals a single big-batch step at any layout.
@@ -21,6 +25,7 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from kernels.vocab_parallel_logprobs import logprobs_and_entropy
@@ -30,6 +35,7 @@ from megarl.distributed.layout import ParallelLayout
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.batching import budgeted_micro_batches, fixed_micro_batches, split_over_data_parallel, token_imbalance
 from megarl.engine.memory import MemoryPhases
+from megarl.models.builder import resolve_layer_spec
 from megarl.models.hf_interop import load_hf_model
 
 
@@ -66,6 +72,7 @@ class MegatronEngine:
         model_settings.calculate_per_token_loss = True  # losses arrive globally normalised
         model_settings.finalize_model_grads_func = _finalize_without_token_scaling
         self.model = self.module
+        self.packed = resolve_layer_spec(model_config.layer_spec) == "transformer_engine"
         self.optimizer = self.scheduler = None
         if total_optimizer_steps is not None:
             self._make_trainable(model_config, total_optimizer_steps)
@@ -122,9 +129,9 @@ class MegatronEngine:
 
         def forward_step(data_iterator, model):
             micro_batch = next(data_iterator)
-            tokens_bT = micro_batch.tokens_BT.to(device())
-            positions_bT = torch.arange(tokens_bT.shape[1], device=tokens_bT.device).expand_as(tokens_bT)
-            return model(tokens_bT, positions_bT, attention_mask=None), partial(loss_func, micro_batch)
+            tokens, positions, packed_seq_params = self._model_inputs(micro_batch)
+            output = model(tokens, positions, attention_mask=None, packed_seq_params=packed_seq_params)
+            return output, partial(loss_func, micro_batch)
 
         longest = max(mb.tokens_BT.shape[1] for mb in micro_batches)
         return get_forward_backward_func()(
@@ -133,19 +140,43 @@ class MegatronEngine:
             micro_batch_size=max(len(mb) for mb in micro_batches), forward_only=forward_only,
         )
 
+    def _model_inputs(self, micro_batch: SequenceBatch):
+        """(tokens, positions, packed_seq_params): right-padded (b, T), or one packed (1, sum of lengths)
+        row whose positions restart at every sequence."""
+        if not self.packed:
+            tokens_bT = micro_batch.tokens_BT.to(device())
+            positions_bT = torch.arange(tokens_bT.shape[1], device=tokens_bT.device).expand_as(tokens_bT)
+            return tokens_bT, positions_bT, None
+        lengths = micro_batch.sequence_lengths_B.tolist()
+        tokens = torch.cat([row[:n] for row, n in zip(micro_batch.tokens_BT, lengths)])
+        positions = torch.cat([torch.arange(n) for n in lengths])
+        cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device())
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                                 max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+        return tokens[None].to(device()), positions[None].to(device()), params
+
+    def _response_rows(self, micro_batch: SequenceBatch) -> torch.Tensor:
+        """Rows of the flattened model output that predict each response token, (b * R,)."""
+        positions_bR = micro_batch.response_positions_BR()
+        if self.packed:
+            starts = torch.cat([torch.zeros(1, dtype=torch.long), micro_batch.sequence_lengths_B.cumsum(0)[:-1]])
+        else:
+            starts = micro_batch.tokens_BT.shape[1] * torch.arange(len(micro_batch))
+        return (positions_bR + starts[:, None]).flatten().to(device())
+
     # ---- outputs of the model for response tokens -------------------------------------------------
 
     def _response_outputs(self, micro_batch: SequenceBatch, output_bTV: torch.Tensor, temperature: float) -> dict:
-        b, T = micro_batch.tokens_BT.shape
-        positions_bR = micro_batch.response_positions_BR().to(output_bTV.device)
+        """(b, R) log-probs and entropy (or values) of the response tokens from the model output."""
+        b = len(micro_batch)
         mask_bR = micro_batch.response_mask_BR.to(output_bTV.device)
-        rows = (positions_bR + T * torch.arange(b, device=positions_bR.device)[:, None]).flatten()
+        rows = self._response_rows(micro_batch)
         if self.arch.value_model:
-            values = output_bTV.reshape(b * T)[rows].view(b, -1).float()
+            values = output_bTV.reshape(-1)[rows].view(b, -1).float()
             return {"values": values * mask_bR}
         local_vocab = output_bTV.shape[-1]
         logprobs, entropy = logprobs_and_entropy(
-            output_bTV.reshape(b * T, local_vocab)[rows],
+            output_bTV.reshape(-1, local_vocab)[rows],
             micro_batch.response_tokens_BR().flatten().to(output_bTV.device),
             group=self.layout.tp_group,
             vocab_start=self.layout.tp_rank * local_vocab,
