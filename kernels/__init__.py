@@ -1,1 +1,2 @@
-"""Compute kernels, each with a plain-PyTorch reference; torch is their only dependency."""
+"""Compute kernels, each with a plain-PyTorch reference; they depend on torch alone (and on Triton
+for their CUDA variants, imported only when the tensors are on a GPU)."""

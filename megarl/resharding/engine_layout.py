@@ -1,0 +1,56 @@
+"""What each rank of a TP_r rollout engine needs: vLLM's tensor-parallel sharding of HF tensors.
+
+vLLM shards the same way Megatron does, but on its own TP size and with its own vocabulary padding:
+q rows by attention head, k/v rows by KV head (replicated when TP_r exceeds the KV heads),
+gate/up rows and o/down columns evenly, embeddings and LM head by vocabulary rows in slices of a
+vocabulary padded to a multiple of 64; norms whole. At TP_r = 1 every rank needs every tensor.
+"""
+
+from __future__ import annotations
+
+from megarl.models.architecture import Architecture
+from megarl.resharding.plan import Need
+
+VLLM_VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
+
+
+def _split(name: str) -> tuple[str, int]:
+    """(how vLLM splits the tensor, along which dim)."""
+    if name.endswith(("q_proj.weight", "q_proj.bias")):
+        return "q_heads", 0
+    if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
+        return "kv_heads", 0
+    if name.endswith(("gate_proj.weight", "up_proj.weight")):
+        return "even", 0
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return "even", 1
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return "vocab", 0
+    return "whole", 0
+
+
+def engine_needs(rank: int, engine_tp_rank: int, engine_tp: int, hf_shapes: dict[str, tuple[int, ...]],
+                 arch: Architecture) -> list[Need]:
+    needs = []
+    for name, shape in sorted(hf_shapes.items()):
+        kind, dim = _split(name)
+        size = shape[dim]
+        if engine_tp == 1 or kind == "whole":
+            start, stop = 0, size
+        elif kind == "q_heads" or kind == "even":
+            per_rank = size // engine_tp
+            start, stop = engine_tp_rank * per_rank, (engine_tp_rank + 1) * per_rank
+        elif kind == "kv_heads":
+            if arch.num_kv_heads >= engine_tp:
+                per_rank = size // engine_tp
+                start, stop = engine_tp_rank * per_rank, (engine_tp_rank + 1) * per_rank
+            else:  # each KV head is replicated on engine_tp / num_kv_heads ranks
+                head = engine_tp_rank * arch.num_kv_heads // engine_tp
+                start, stop = head * arch.head_dim, (head + 1) * arch.head_dim
+        else:  # vocab
+            padded = -(-size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+            per_rank = padded // engine_tp
+            start, stop = min(size, engine_tp_rank * per_rank), min(size, (engine_tp_rank + 1) * per_rank)
+        if stop > start:
+            needs.append(Need(rank, name, dim, start, stop))
+    return needs

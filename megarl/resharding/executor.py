@@ -1,0 +1,165 @@
+"""Running the resharding plan every RL step: training shards -> colocated rollout engine.
+
+Set-up (once): every rank describes the HF slices its shards hold, the descriptions are
+all-gathered, and every rank computes the same plan. Each sync then walks the model in buckets of
+whole layers (the engine processes a layer once all its tensors arrived, so a layer never spans
+two loads). Per bucket, each pair of ranks exchanges one packed buffer with `batch_isend_irecv`;
+slices a rank holds itself are copied locally; the bucket's HF tensors go to the engine and are
+freed before the next bucket, so no rank holds more than one bucket beyond its own shards.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megarl.distributed.layout import ParallelLayout
+from megarl.models.architecture import Architecture
+from megarl.models.state_dict_adapter import param_mappings, shard_pieces
+from megarl.resharding.engine_layout import engine_needs
+from megarl.resharding.plan import Plan, SourcePiece, Transfer, make_plan
+from megarl.rollout.base import RolloutEngine
+
+
+@dataclass
+class SyncStats:
+    seconds: float
+    bytes_received: int
+    bytes_sent: int
+    lower_bound: int
+    peak_extra_bytes: int
+    """Largest bucket this rank held beyond its own shards: received tensors plus send buffers."""
+
+
+def local_sources(module: torch.nn.Module, arch: Architecture, layout: ParallelLayout) -> list[SourcePiece]:
+    """The HF slices this rank's shards hold, with where each sits in its shard."""
+    params = dict(module.named_parameters())
+    sources = []
+    for mapping in param_mappings(module, arch):
+        shape = params[mapping.megatron_name].shape
+        offset = 0
+        for piece in shard_pieces(mapping, arch, shape, layout.tp_rank, layout.tp):
+            if piece.hf_name is not None:
+                sources.append(SourcePiece(layout.rank, piece.hf_name, piece.dim, piece.start, piece.stop,
+                                           mapping.megatron_name, offset))
+            offset += piece.size
+    return sources
+
+
+def hf_shapes_from(sources: list[SourcePiece], shard_shapes: dict[tuple[int, str], tuple[int, ...]]) -> dict:
+    """Full HF shapes: the split dim spans the furthest slice, the other dims are the shard's."""
+    shapes: dict[str, list[int]] = {}
+    for piece in sources:
+        shape = list(shard_shapes[(piece.rank, piece.megatron_name)])
+        shape[piece.dim] = piece.stop
+        known = shapes.setdefault(piece.hf_name, shape)
+        known[piece.dim] = max(known[piece.dim], piece.stop)
+    return {name: tuple(shape) for name, shape in shapes.items()}
+
+
+def layer_buckets(hf_shapes: dict[str, tuple[int, ...]], itemsize: int, bucket_bytes: int) -> list[list[str]]:
+    """HF names in buckets of whole units (a decoder layer, or one global tensor), in model order."""
+    def unit(name: str) -> tuple[int, str]:
+        if name.startswith("model.layers."):
+            layer = int(name.split(".")[2])
+            return (1 + layer, f"layer {layer}")
+        order = {"model.embed_tokens.weight": 0, "model.norm.weight": 10**9, "lm_head.weight": 10**9 + 1}
+        return (order[name], name)
+
+    units: dict[tuple[int, str], list[str]] = defaultdict(list)
+    for name in sorted(hf_shapes):
+        units[unit(name)].append(name)
+    buckets, current, size = [], [], 0
+    for key in sorted(units):
+        unit_bytes = sum(torch.Size(hf_shapes[n]).numel() * itemsize for n in units[key])
+        if current and size + unit_bytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current += units[key]
+        size += unit_bytes
+    return buckets + ([current] if current else [])
+
+
+class WeightSync:
+    def __init__(self, module: torch.nn.Module, arch: Architecture, layout: ParallelLayout,
+                 engine: RolloutEngine, engine_tp: int, bucket_bytes: int):
+        self.module, self.engine = module, engine
+        self.rank = dist.get_rank()
+        self.dtype = next(module.parameters()).dtype
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        described = [None] * dist.get_world_size()
+        shard_shapes = {(self.rank, name): tuple(p.shape) for name, p in module.named_parameters()}
+        dist.all_gather_object(described, (local_sources(module, arch, layout), shard_shapes))
+        sources = [piece for pieces, _ in described for piece in pieces]
+        all_shapes = {key: shape for _, shapes in described for key, shape in shapes.items()}
+        self.hf_shapes = hf_shapes_from(sources, all_shapes)
+        # vLLM forms its TP groups from consecutive ranks of the world.
+        needs = [need for rank in range(dist.get_world_size())
+                 for need in engine_needs(rank, rank % engine_tp, engine_tp, self.hf_shapes, arch)]
+        self.plan: Plan = make_plan(sources, needs, self.hf_shapes, itemsize)
+        self.buckets = layer_buckets(self.hf_shapes, itemsize, bucket_bytes)
+
+    def _shard_slice(self, params: dict, transfer: Transfer) -> torch.Tensor:
+        shard = params[transfer.megatron_name].detach()
+        return shard.narrow(transfer.dim, transfer.shard_offset, transfer.stop - transfer.start)
+
+    def _slice_shape(self, transfer: Transfer) -> list[int]:
+        shape = list(self.hf_shapes[transfer.hf_name])
+        shape[transfer.dim] = transfer.stop - transfer.start
+        return shape
+
+    @torch.no_grad()
+    def sync(self, step: int) -> SyncStats:
+        """Load the current training weights into the engine; all ranks call this together."""
+        start_time = time.perf_counter()
+        params = dict(self.module.named_parameters())
+        received = sent = peak = 0
+        self.engine.begin_weight_update(step)
+        for names in self.buckets:
+            in_bucket = set(names)
+            transfers = [t for t in self.plan.transfers if t.hf_name in in_bucket
+                         and self.rank in (t.src, t.dst)]
+            targets = {t.hf_name: None for t in transfers if t.dst == self.rank}
+            device = next(iter(params.values())).device
+            tensors = {name: torch.empty(self.hf_shapes[name], dtype=self.dtype, device=device) for name in targets}
+            outgoing, incoming = defaultdict(list), defaultdict(list)
+            for t in transfers:
+                if t.src == t.dst:
+                    tensors[t.hf_name].narrow(t.dim, t.start, t.stop - t.start).copy_(self._shard_slice(params, t))
+                elif t.src == self.rank:
+                    outgoing[t.dst].append(t)
+                else:
+                    incoming[t.src].append(t)
+            send_buffers = {peer: torch.cat([self._shard_slice(params, t).flatten() for t in ts])
+                            for peer, ts in outgoing.items()}
+            recv_buffers = {peer: torch.empty(sum(torch.Size(self._slice_shape(t)).numel() for t in ts),
+                                              dtype=self.dtype, device=device) for peer, ts in incoming.items()}
+            ops = [dist.P2POp(dist.isend, buffer, peer) for peer, buffer in sorted(send_buffers.items())]
+            ops += [dist.P2POp(dist.irecv, buffer, peer) for peer, buffer in sorted(recv_buffers.items())]
+            if ops:
+                for request in dist.batch_isend_irecv(ops):
+                    request.wait()
+            for peer, ts in incoming.items():
+                parts = recv_buffers[peer].split([torch.Size(self._slice_shape(t)).numel() for t in ts])
+                for t, part in zip(ts, parts):
+                    tensors[t.hf_name].narrow(t.dim, t.start, t.stop - t.start).copy_(part.view(self._slice_shape(t)))
+            needed_here = sum(self.plan.slice_bytes(t.hf_name, t.dim, t.start, t.stop) for t in transfers
+                              if t.dst == self.rank)
+            buffers = sum(b.numel() * b.element_size() for b in (*send_buffers.values(), *recv_buffers.values()))
+            peak = max(peak, needed_here + buffers)
+            received += sum(b.numel() * b.element_size() for b in recv_buffers.values())
+            sent += sum(b.numel() * b.element_size() for b in send_buffers.values())
+            try:
+                self.engine.load_weights(tensors.items())
+            except Exception as error:
+                raise RuntimeError(
+                    f"weight sync of step {step} failed loading {names[0]} .. {names[-1]} into the rollout "
+                    f"engine; it refuses to generate until a sync succeeds: {error}"
+                ) from error
+            del tensors, send_buffers, recv_buffers
+        self.engine.end_weight_update()
+        return SyncStats(time.perf_counter() - start_time, received, sent, self.plan.lower_bound(self.rank), peak)

@@ -1,0 +1,79 @@
+"""The rollout interface: generate responses for token-id prompts, load new weights.
+
+Backends register in `ROLLOUT_BACKENDS` and see weights only as HF-named tensors, handed to
+them by `megarl.resharding`. A backend whose weight load failed part-way refuses to generate until
+a later load succeeds, so a half-loaded engine never serves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol
+
+import torch
+
+from megarl.registry import Registry
+
+
+@dataclass(frozen=True)
+class Sampling:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 disables top-k."""
+    max_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+    """Base seed; request i of a call samples with seed + i (identical on every rank of a TP group)."""
+
+
+@dataclass
+class RolloutOutput:
+    """One entry per (prompt, sample), prompt-major: sample j of prompt i is at i * n + j."""
+
+    response_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+    """Log-probability of each sampled token under the engine's (temperature-scaled) distribution."""
+    finish_reasons: list[str] = field(default_factory=list)
+    """"stop" (a stop token or EOS) or "length"."""
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> RolloutOutput: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load some HF-named tensors; complete units only (all tensors of a layer together)."""
+
+    def begin_weight_update(self, step: int) -> None:
+        """Mark the engine as loading: generation is refused until `end_weight_update`."""
+
+    def end_weight_update(self) -> None: ...
+
+    def sleep(self) -> None:
+        """Free KV cache and weights while the trainer runs (GPU); a no-op on CPU."""
+
+    def wake_up(self) -> None: ...
+
+
+ROLLOUT_BACKENDS: Registry[type] = Registry("rollout backend")
+
+
+class WeightUpdateGuard:
+    """Tracks whether the last weight update finished; shared by the backends."""
+
+    def __init__(self):
+        self.pending: str | None = None
+
+    def begin(self, step: int) -> None:
+        self.pending = f"weight update of step {step} did not finish"
+
+    def failed(self, tensor_name: str, step_error: Exception) -> None:
+        self.pending = f"{self.pending}: loading {tensor_name!r} failed ({step_error})"
+
+    def end(self) -> None:
+        self.pending = None
+
+    def check(self) -> None:
+        if self.pending is not None:
+            raise RuntimeError(f"rollout engine holds partly loaded weights, refusing to generate: {self.pending}")

@@ -1,0 +1,86 @@
+"""Plain `transformers` generation: the reference for parity tests and a fallback without vLLM.
+
+Sequential and unbatched on purpose (one prompt at a time, no padding): slow, but with nothing
+that could make it differ from a textbook forward pass.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from megarl.rollout.base import ROLLOUT_BACKENDS, RolloutOutput, Sampling, WeightUpdateGuard
+
+
+@ROLLOUT_BACKENDS.register("hf")
+class HFRollout:
+    def __init__(self, model_dir: str, dtype: str, **unused):
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+        self.eos_token_id = self.model.generation_config.eos_token_id
+        self.guard = WeightUpdateGuard()
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> RolloutOutput:
+        self.guard.check()
+        stop = set(sampling.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None else set())
+        result = RolloutOutput()
+        for i, prompt in enumerate(prompts):
+            generator = torch.Generator().manual_seed(sampling.seed + i)
+            for _ in range(sampling.n):
+                ids, logprobs, reason = self._sample(prompt, sampling, stop, generator)
+                result.response_ids.append(ids)
+                result.logprobs.append(logprobs)
+                result.finish_reasons.append(reason)
+        return result
+
+    def _sample(self, prompt, sampling: Sampling, stop: set[int], generator):
+        tokens = torch.tensor([prompt])
+        ids, logprobs, cache = [], [], None
+        for _ in range(sampling.max_tokens):
+            out = self.model(tokens if cache is None else tokens[:, -1:], past_key_values=cache, use_cache=True)
+            cache, logits = out.past_key_values, out.logits[0, -1].float()
+            if sampling.temperature == 0:
+                token = int(logits.argmax())
+                log_p = torch.log_softmax(logits, -1)
+            else:
+                log_p = torch.log_softmax(_filter(logits / sampling.temperature, sampling), -1)
+                token = int(torch.multinomial(log_p.exp(), 1, generator=generator))
+            ids.append(token)
+            logprobs.append(float(log_p[token]))
+            if token in stop:
+                return ids, logprobs, "stop"
+            tokens = torch.cat([tokens, torch.tensor([[token]])], dim=1)
+        return ids, logprobs, "length"
+
+    def begin_weight_update(self, step: int) -> None:
+        self.guard.begin(step)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = self.model.state_dict()
+        for name, tensor in weights:
+            params[name].copy_(tensor)
+
+    def end_weight_update(self) -> None:
+        self.guard.end()
+
+    def sleep(self) -> None:
+        pass
+
+    def wake_up(self) -> None:
+        pass
+
+
+def _filter(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """Top-k then top-p (nucleus) filtering of temperature-scaled logits."""
+    if sampling.top_k > 0:
+        kth = torch.topk(logits, min(sampling.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, -torch.inf)
+    if sampling.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = torch.softmax(sorted_logits, -1).cumsum(-1)
+        drop = cumulative - torch.softmax(sorted_logits, -1) >= sampling.top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), -torch.inf)
+    return logits
