@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import glob
 import os
 import random
 from typing import Iterable
@@ -44,6 +45,8 @@ class VLLMRollout:
     def __init__(self, model_dir: str, dtype: str, tensor_parallel_size: int, max_model_len: int,
                  kv_cache_bytes: int, gpu_memory_utilization: float, seed: int):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
+        # Names vLLM's CPU shared-memory segments: unique per job so that jobs on one host never clash.
+        os.environ.setdefault("VLLM_DIST_IDENT", f"megarl{os.environ.get('MASTER_PORT', os.getpid())}")
         with _preserve_process_state():
             from vllm import LLM
 
@@ -86,13 +89,26 @@ class VLLMRollout:
             self.llm.wake_up(tags=["weights"])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
+        except Exception:
+            self.llm.collective_rpc(_abandon_partial_reload)
+            raise
 
     def end_weight_update(self) -> None:
+        self.llm.collective_rpc(_refresh_lm_head)
         if torch.cuda.is_available():
             self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         self.guard.end()
+
+    def shutdown(self) -> None:
+        """Remove this job's shared-memory segments (vLLM's CPU TP groups); call once, at the end.
+
+        The engine itself is not torn down: its teardown destroys the default process group."""
+        for path in glob.glob(f"/dev/shm/{os.environ['VLLM_DIST_IDENT']}-*cpushm*"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     def sleep(self) -> None:
         if torch.cuda.is_available():
@@ -101,3 +117,32 @@ class VLLMRollout:
     def wake_up(self) -> None:
         if torch.cuda.is_available():
             self.llm.wake_up()
+
+
+def _refresh_lm_head(worker) -> None:
+    """Re-derive the LM head's kernel-format weights (runs on the worker).
+
+    With tied embeddings the LM head receives no tensor of its own during a reload, so vLLM does not
+    re-process it; on CPU that leaves its prepacked GEMM copy of the *old* embedding in use."""
+    head = getattr(worker.model_runner.model, "lm_head", None)
+    if head is not None and hasattr(head, "quant_method"):
+        head.quant_method.process_weights_after_loading(head)
+
+
+def _abandon_partial_reload(worker) -> None:
+    """Undo vLLM's in-place reload state after a failed load (runs on the worker).
+
+    vLLM reloads layer by layer: each layer is moved to the meta device and its incoming tensors
+    are buffered until complete. A load that raises leaves layers on meta with stale buffers that
+    would poison the next load. Put every unfinished layer's own tensors back and forget the
+    buffers; the engine then holds a mix of old and new layers, which the guard refuses to serve
+    until the next complete sync.
+    """
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    for layer in worker.model_runner.model.modules():
+        info = layerwise.get_layerwise_info(layer)
+        if info.can_load():
+            if info.kernel_tensors is not None:
+                layerwise._place_kernel_tensors(layer, info)
+            info.reset()
