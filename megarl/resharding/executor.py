@@ -3,9 +3,9 @@
 Set-up (once): every rank describes the HF slices its shards hold, the descriptions are
 all-gathered, and every rank computes the same plan. Each sync then walks the model in buckets of
 whole layers (the engine processes a layer once all its tensors arrived, so a layer never spans
-two loads). Per bucket, each pair of ranks exchanges one packed buffer with `batch_isend_irecv`;
-slices a rank holds itself are copied locally; the bucket's HF tensors go to the engine and are
-freed before the next bucket, so no rank holds more than one bucket beyond its own shards.
+two loads). Per bucket, the bucket's transfers run as one `batch_isend_irecv`; slices a rank holds
+itself are copied locally; the bucket's HF tensors go to the engine and are freed before the next
+bucket, so no rank holds more than one bucket (plus column-slice staging) beyond its own shards.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from megarl.rollout.base import RolloutEngine
 @dataclass
 class SyncStats:
     seconds: float
+    load_seconds: float
+    """Part of `seconds` spent inside the engine's weight loader (vLLM's own processing)."""
     bytes_received: int
     bytes_sent: int
     lower_bound: int
@@ -118,41 +120,46 @@ class WeightSync:
         start_time = time.perf_counter()
         params = dict(self.module.named_parameters())
         received = sent = peak = 0
+        load_seconds = 0.0
         self.engine.begin_weight_update(step)
         for names in self.buckets:
             in_bucket = set(names)
             transfers = [t for t in self.plan.transfers if t.hf_name in in_bucket
                          and self.rank in (t.src, t.dst)]
-            targets = {t.hf_name: None for t in transfers if t.dst == self.rank}
             device = next(iter(params.values())).device
-            tensors = {name: torch.empty(self.hf_shapes[name], dtype=self.dtype, device=device) for name in targets}
-            outgoing, incoming = defaultdict(list), defaultdict(list)
+            tensors = {t.hf_name: torch.empty(self.hf_shapes[t.hf_name], dtype=self.dtype, device=device)
+                       for t in transfers if t.dst == self.rank}
+            # One message per transfer, in plan order on both sides (p2p messages between a pair of
+            # ranks arrive in order). Contiguous slices (splits along dim 0) are sent from the shard
+            # and received into the destination tensor directly; only column slices need a buffer.
+            ops, unpack, buffer_bytes = [], [], 0
             for t in transfers:
                 if t.src == t.dst:
                     tensors[t.hf_name].narrow(t.dim, t.start, t.stop - t.start).copy_(self._shard_slice(params, t))
                 elif t.src == self.rank:
-                    outgoing[t.dst].append(t)
+                    piece = self._shard_slice(params, t)
+                    if not piece.is_contiguous():
+                        piece = piece.contiguous()
+                        buffer_bytes += piece.numel() * piece.element_size()
+                    ops.append(dist.P2POp(dist.isend, piece, t.dst))
+                    sent += piece.numel() * piece.element_size()
                 else:
-                    incoming[t.src].append(t)
-            send_buffers = {peer: torch.cat([self._shard_slice(params, t).flatten() for t in ts])
-                            for peer, ts in outgoing.items()}
-            recv_buffers = {peer: torch.empty(sum(torch.Size(self._slice_shape(t)).numel() for t in ts),
-                                              dtype=self.dtype, device=device) for peer, ts in incoming.items()}
-            ops = [dist.P2POp(dist.isend, buffer, peer) for peer, buffer in sorted(send_buffers.items())]
-            ops += [dist.P2POp(dist.irecv, buffer, peer) for peer, buffer in sorted(recv_buffers.items())]
+                    target = tensors[t.hf_name].narrow(t.dim, t.start, t.stop - t.start)
+                    landing = target if target.is_contiguous() else torch.empty_like(target)
+                    if landing is not target:
+                        unpack.append((landing, target))
+                        buffer_bytes += landing.numel() * landing.element_size()
+                    ops.append(dist.P2POp(dist.irecv, landing, t.src))
+                    received += landing.numel() * landing.element_size()
             if ops:
                 for request in dist.batch_isend_irecv(ops):
                     request.wait()
-            for peer, ts in incoming.items():
-                parts = recv_buffers[peer].split([torch.Size(self._slice_shape(t)).numel() for t in ts])
-                for t, part in zip(ts, parts):
-                    tensors[t.hf_name].narrow(t.dim, t.start, t.stop - t.start).copy_(part.view(self._slice_shape(t)))
+            for landing, target in unpack:
+                target.copy_(landing)
             needed_here = sum(self.plan.slice_bytes(t.hf_name, t.dim, t.start, t.stop) for t in transfers
                               if t.dst == self.rank)
-            buffers = sum(b.numel() * b.element_size() for b in (*send_buffers.values(), *recv_buffers.values()))
-            peak = max(peak, needed_here + buffers)
-            received += sum(b.numel() * b.element_size() for b in recv_buffers.values())
-            sent += sum(b.numel() * b.element_size() for b in send_buffers.values())
+            peak = max(peak, needed_here + buffer_bytes)
+            load_start = time.perf_counter()
             try:
                 self.engine.load_weights(tensors.items())
             except Exception as error:
@@ -160,6 +167,10 @@ class WeightSync:
                     f"weight sync of step {step} failed loading {names[0]} .. {names[-1]} into the rollout "
                     f"engine; it refuses to generate until a sync succeeds: {error}"
                 ) from error
-            del tensors, send_buffers, recv_buffers
+            load_seconds += time.perf_counter() - load_start
+            del tensors, ops, unpack
+        load_start = time.perf_counter()
         self.engine.end_weight_update()
-        return SyncStats(time.perf_counter() - start_time, received, sent, self.plan.lower_bound(self.rank), peak)
+        load_seconds += time.perf_counter() - load_start
+        return SyncStats(time.perf_counter() - start_time, load_seconds, received, sent,
+                         self.plan.lower_bound(self.rank), peak)
