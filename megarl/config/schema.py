@@ -14,6 +14,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 LAYER_SPECS = ("auto", "local", "transformer_engine")
 OPTIMIZERS = ("adam", "sgd")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
+KL_CONTROLLERS = ("fixed", "adaptive")
+LOGGERS = ("console", "mlflow")
 
 
 @dataclass
@@ -85,8 +87,9 @@ class OptimizerConfig:
 
 
 @dataclass
-class EngineConfig(ParallelConfig):
-    """A Megatron model that is scored and (for actor and critic) trained."""
+class EngineConfig:
+    """A Megatron model that is scored and trained (actor, critic); all models share the actor's
+    parallel layout (megatron-core keeps one layout per process)."""
 
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Optimizer and learning-rate schedule."""
@@ -122,8 +125,186 @@ class EngineConfig(ParallelConfig):
 
 
 @dataclass
-class ActorConfig(EngineConfig):
+class ActorConfig(EngineConfig, ParallelConfig):
     """The policy being trained; its parallel sizes sit directly on it (`actor.tp=2`)."""
+
+    policy_loss: str = "vanilla"
+    """Registered policy loss (megarl.algorithms.POLICY_LOSSES): vanilla (PPO clip), gspo."""
+
+    clip_ratio_low: float = 0.2
+    """Lower clip range of the importance ratio: 1 - clip_ratio_low."""
+
+    clip_ratio_high: float = 0.2
+    """Upper clip range: 1 + clip_ratio_high (DAPO's clip-higher raises it, e.g. 0.28)."""
+
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound for negative advantages (0 disables dual clip)."""
+
+    loss_agg_mode: str = "token-mean"
+    """token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm (Dr. GRPO)."""
+
+    entropy_coeff: float = 0.0
+    """Weight of the entropy bonus subtracted from the policy loss."""
+
+    use_kl_loss: bool = False
+    """Add KL(actor || reference) to the loss (GRPO style) instead of, or as well as, in the reward."""
+
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss term."""
+
+    kl_loss_type: str = "k3"
+    """Registered KL estimator for the loss term: k1, k2, k3 (low variance)."""
+
+    tis_cap: float = 0.0
+    """Truncated importance sampling against train/inference mismatch: weight each token by
+    min(p_train / p_rollout, tis_cap); 0 disables."""
+
+
+@dataclass
+class CriticConfig(EngineConfig):
+    """The value model for PPO with GAE."""
+
+    enable: bool = False
+    """Train a critic (needed by the gae estimator)."""
+
+    path: str = ""
+    """HF directory of the critic; empty: start from model.path with a new value head."""
+
+    cliprange_value: float = 0.5
+    """Clip range of the value update around the old values."""
+
+
+@dataclass
+class DataConfig:
+    """Prompts in the common RL parquet layout (prompt, data_source, reward_model, extra_info)."""
+
+    train_files: list[str] = field(default_factory=list)
+    """Training parquet files."""
+
+    val_files: list[str] = field(default_factory=list)
+    """Held-out parquet files for validation (mean score and pass@k)."""
+
+    max_prompt_length: int = 128
+    """Prompts longer than this many tokens are filtered out (the count is logged)."""
+
+    max_response_length: int = 64
+    """Tokens generated per response at most."""
+
+    train_batch_size: int = 8
+    """Prompts per RL step (each sampled rollout.n times)."""
+
+    max_val_samples: int = 0
+    """Validate on at most this many prompts (0: all)."""
+
+    apply_chat_template: bool = True
+    """Render chat messages with the tokenizer's chat template; false: use the raw text."""
+
+    shuffle: bool = True
+    """Shuffle the training prompts every epoch (seeded by trainer.seed)."""
+
+
+@dataclass
+class RolloutConfig:
+    """The colocated generation engine and its sampling."""
+
+    backend: str = "vllm"
+    """Registered rollout backend: vllm, hf (plain transformers, slow; the parity reference)."""
+
+    tp: int = 1
+    """Tensor-parallel size of each engine (TP_r); engines are formed from consecutive ranks."""
+
+    n: int = 8
+    """Responses sampled per prompt."""
+
+    temperature: float = 1.0
+    """Sampling temperature; the trainer scores log-probs at the same temperature."""
+
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+
+    top_k: int = -1
+    """Top-k sampling (-1 disables)."""
+
+    val_temperature: float = 0.0
+    """Validation temperature; 0 is greedy."""
+
+    val_n: int = 1
+    """Responses per validation prompt; pass@k is reported for k = val_n when above 1."""
+
+    kv_cache_mib: int = 64
+    """KV cache of each engine on CPU."""
+
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory the engine may take (GPU)."""
+
+    bucket_mib: int = 64
+    """Resharding bucket: bytes in flight per rank beyond its own shards."""
+
+
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"
+    """fixed or adaptive (Ziegler et al.)."""
+
+    coef: float = 0.001
+    """(Initial) KL coefficient."""
+
+    target_kl: float = 0.1
+    """Adaptive controller target."""
+
+    horizon: int = 10000
+    """Adaptive controller horizon."""
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    """Registered advantage estimator: gae, grpo, drgrpo, rloo, reinforce_plus_plus, remax."""
+
+    gamma: float = 1.0
+    """Discount factor."""
+
+    lam: float = 1.0
+    """GAE lambda."""
+
+    norm_adv_by_std: bool = True
+    """GRPO: divide by the group std (false gives Dr. GRPO's normalisation)."""
+
+    use_kl_in_reward: bool = False
+    """Subtract kl_ctrl.coef * KL(actor || reference) from the token rewards."""
+
+    kl_penalty: str = "k1"
+    """Registered KL estimator for the reward penalty."""
+
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    """Controller of the reward KL coefficient."""
+
+    filter_groups: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts."""
+
+    max_filter_rounds: int = 4
+    """Extra generation rounds at most when filtering groups."""
+
+    overlong_buffer_length: int = 0
+    """DAPO overlong shaping: penalise responses in the last this-many tokens (0 disables)."""
+
+    overlong_penalty_factor: float = 1.0
+    """Penalty at max_response_length for overlong shaping."""
+
+
+@dataclass
+class RewardConfig:
+    custom_function_path: str = ""
+    """A .py file or module with the scoring function; empty: the rule scorers by data_source."""
+
+    custom_function_name: str = "compute_score"
+    """Function with the signature compute_score(data_source, solution_str, ground_truth, extra_info)."""
+
+    timeout_seconds: float = 10.0
+    """A scorer slower than this gives reward 0 (counted and logged)."""
+
+    reward_model_path: str = ""
+    """HF value model (*ForTokenClassification) scoring responses; its score adds to the rule score."""
 
 
 @dataclass
@@ -140,6 +321,22 @@ class TrainerConfig:
     total_steps: int = 1
     """Number of RL steps (rollout plus update) to run."""
 
+    test_freq: int = 0
+    """Validate every this many steps (0: only before training and at the end)."""
+
+    val_before_train: bool = True
+    """Validate once before the first step."""
+
+    loggers: list[str] = field(default_factory=lambda: ["console", "mlflow"])
+    """Metric sinks, from LOGGERS."""
+
+    mlflow_tracking_uri: str = ""
+    """mlflow store; empty: a local SQLite file in the run directory."""
+
+    check_batches: bool = False
+    """Validate the batch contract between phases (shapes, dtypes, masks), failing with the phase
+    and field."""
+
 
 @dataclass
 class RunConfig:
@@ -148,6 +345,21 @@ class RunConfig:
 
     actor: ActorConfig = field(default_factory=ActorConfig)
     """The policy being trained and its parallel layout."""
+
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model (PPO with GAE)."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """Training and validation prompts."""
+
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation."""
+
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantages and KL."""
+
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Scoring of responses."""
 
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """The training loop: length, seed, where outputs go."""

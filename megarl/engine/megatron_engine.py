@@ -60,12 +60,15 @@ class MegatronEngine:
         config: EngineConfig,
         model_path: str | None = None,
         total_optimizer_steps: int | None = None,
+        value_head: bool = False,
     ):
-        """Load `model_path` (default `model_config.path`); trainable when `total_optimizer_steps` is set."""
+        """Load `model_path` (default `model_config.path`); trainable when `total_optimizer_steps` is set;
+        `value_head` turns a causal LM checkpoint into a value model (a critic's usual start)."""
         self.layout, self.config = layout, config
         self.module, self.arch = load_hf_model(
             model_path or model_config.path, layout, model_config.dtype, model_config.layer_spec,
             model_config.make_vocab_size_divisible_by, recompute_activations=config.recompute_activations,
+            value_head=value_head,
         )
         model_settings = self.module.config
         model_settings.variable_seq_lengths = True  # micro-batches are padded to their own length

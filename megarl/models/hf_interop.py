@@ -8,6 +8,7 @@ index and config. The round trip HF -> megatron -> HF is bit-identical.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -37,9 +38,15 @@ def load_hf_model(
     layer_spec: str = "auto",
     make_vocab_size_divisible_by: int = 128,
     recompute_activations: bool = False,
+    value_head: bool = False,
 ) -> tuple[torch.nn.Module, Architecture]:
-    """Build this rank's stage of the HF model in `model_dir` and load its weights."""
+    """Build this rank's stage of the HF model in `model_dir` and load its weights.
+
+    With `value_head`, a causal LM checkpoint becomes a value model: its backbone is loaded and a
+    new, zero-initialised value head replaces the LM head (the usual way to start a critic)."""
     arch = architecture_from_hf(read_hf_config(model_dir), source=f"{model_dir}/config.json")
+    if value_head and not arch.value_model:
+        arch = dataclasses.replace(arch, value_model=True, tie_word_embeddings=False)
     model = build_model(arch, layout, dtype, layer_spec, make_vocab_size_divisible_by, recompute_activations)
     load_hf_weights(model, arch, layout, model_dir)
     return model, arch
@@ -48,9 +55,13 @@ def load_hf_model(
 @torch.no_grad()
 def load_hf_weights(model: torch.nn.Module, arch: Architecture, layout: ParallelLayout, model_dir: str) -> None:
     reader = SafetensorsReader(model_dir)
+    available = set(reader.names())
     params = dict(model.named_parameters())
     for mapping in param_mappings(model, arch):
         param = params[mapping.megatron_name]
+        if mapping.megatron_name.startswith("output_layer.score.") and mapping.hf_names[0] not in available:
+            param.zero_()  # a new value head on a causal LM backbone
+            continue
         shard = assemble_shard(mapping, arch, param.shape, layout.tp_rank, layout.tp, reader.read)
         param.copy_(shard)
 

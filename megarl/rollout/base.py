@@ -55,6 +55,9 @@ class RolloutEngine(Protocol):
 
     def wake_up(self) -> None: ...
 
+    def shutdown(self) -> None:
+        """Release what outlives the process (shared memory); the last call of a job."""
+
 
 ROLLOUT_BACKENDS: Registry[type] = Registry("rollout backend")
 

@@ -72,6 +72,9 @@ class HFRollout:
     def wake_up(self) -> None:
         pass
 
+    def shutdown(self) -> None:
+        pass
+
 
 def _filter(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """Top-k then top-p (nucleus) filtering of temperature-scaled logits."""

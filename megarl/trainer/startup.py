@@ -33,12 +33,31 @@ def parse_config(argv: Sequence[str]) -> RunConfig:
     args = parser.parse_args(argv)
     config = load_config(args.config, args.overrides)
     validate_layout(config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    check_registered_names(config)
     if not (Path(config.model.path) / "config.json").is_file():
         raise ConfigError(
             f"config key 'model.path' = {config.model.path!r} has no config.json; "
             "expected a HuggingFace model directory (make one with checkpoints_tools/make_tiny_model.py)"
         )
     return config
+
+
+def check_registered_names(config: RunConfig) -> None:
+    """Names chosen from registries exist (the message lists the registered ones)."""
+    from megarl.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+    from megarl.rollout import ROLLOUT_BACKENDS
+
+    for key, value, registry in (
+        ("algorithm.adv_estimator", config.algorithm.adv_estimator, ADVANTAGE_ESTIMATORS),
+        ("algorithm.kl_penalty", config.algorithm.kl_penalty, KL_ESTIMATORS),
+        ("actor.policy_loss", config.actor.policy_loss, POLICY_LOSSES),
+        ("actor.kl_loss_type", config.actor.kl_loss_type, KL_ESTIMATORS),
+        ("actor.loss_agg_mode", config.actor.loss_agg_mode, LOSS_AGGREGATIONS),
+        ("rollout.backend", config.rollout.backend, ROLLOUT_BACKENDS),
+    ):
+        if value not in registry.names():
+            raise ConfigError(f"config key '{key}' = {value!r} is not registered; registered: "
+                              f"{', '.join(registry.names())}")
 
 
 def start_run(argv: Sequence[str]) -> Run:

@@ -79,7 +79,7 @@ BAD_CONFIGS = [
     bad("override without =", None, [P, "actor.tp"], "'actor.tp'", "key=value"),
     bad("override with empty key", None, ["=3"], "'=3'", "key=value"),
     bad("override with bad yaml value", None, [P, "actor.tp=[1"], "'actor.tp=[1'", "not valid YAML"),
-    bad("yaml is a list", "- model\n- actor\n", [], "bad.yaml", "list", "model, actor, trainer"),
+    bad("yaml is a list", "- model\n- actor\n", [], "bad.yaml", "list", "model, actor, critic, data, rollout, algorithm, reward, trainer"),
     bad("yaml syntax error", "model:\n  path: m\n bad: [\n", [], "bad.yaml", "not valid YAML"),
     bad("interpolation of unknown key", None, ["model.path=${nope}"], "'model.path'", "'nope' not found"),
     bad("interpolation of wrong type", None, [P, "actor.tp=${model.path}"], "'actor.tp' = 'm'", "int"),

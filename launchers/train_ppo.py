@@ -1,0 +1,21 @@
+"""RL post-training (PPO, GRPO and variants), one identical process per GPU or CPU worker.
+
+    torchrun --nproc_per_node=N launchers/train_ppo.py --config configs/X.yaml [key=value ...]
+"""
+
+import sys
+
+from megarl.trainer.rl_trainer import RLTrainer
+from megarl.trainer.startup import start_run
+
+
+def main(argv: list[str]) -> None:
+    try:
+        trainer = RLTrainer(start_run(argv))
+    except ValueError as error:  # config and data errors: one line naming the key, file or row
+        sys.exit(f"megarl: {error}")
+    trainer.fit()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,44 @@
+"""RL algorithms as pure tensor functions in registries (see each module's docstring for the math).
+
+Tensors are response-aligned: shape (B, R), column j the j-th response token, right-padded, with a
+float 0/1 `mask_BR`. Nothing here knows about process groups or configs.
+"""
+
+from megarl.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageInputs,
+    group_ids_from_index,
+    masked_whiten,
+)
+from megarl.algorithms.aggregation import LOSS_AGGREGATIONS, aggregate, masked_mean
+from megarl.algorithms.dapo import keep_informative_groups, overlong_penalty
+from megarl.algorithms.importance import rollout_mismatch_metrics, truncated_importance_weights
+from megarl.algorithms.kl import (
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    kl_penalty_rewards,
+)
+from megarl.algorithms.policy_loss import POLICY_LOSSES, PolicyLossParams
+from megarl.algorithms.value_loss import clipped_value_loss
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "KL_ESTIMATORS",
+    "LOSS_AGGREGATIONS",
+    "POLICY_LOSSES",
+    "AdaptiveKLController",
+    "AdvantageInputs",
+    "FixedKLController",
+    "PolicyLossParams",
+    "aggregate",
+    "clipped_value_loss",
+    "group_ids_from_index",
+    "keep_informative_groups",
+    "kl_penalty_rewards",
+    "masked_mean",
+    "masked_whiten",
+    "overlong_penalty",
+    "rollout_mismatch_metrics",
+    "truncated_importance_weights",
+]

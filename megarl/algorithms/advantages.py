@@ -1,0 +1,172 @@
+"""Advantage estimators: fn(AdvantageInputs) -> (advantages_BR, returns_BR), zero at padding.
+
+r_t are the token rewards (the outcome reward at the last response token plus any per-token
+penalties), m_t the response mask, score_i = sum_t r_it the outcome score of response i, and G(i)
+the group of responses to the same prompt (sharing a group id).
+
+    gae        delta_t = r_t + gamma V_{t+1} - V_t,  A_t = delta_t + gamma lam A_{t+1}, over valid
+               tokens only (V and A after the last valid token are 0); returns = A + V before
+               whitening; advantages are then whitened over all valid tokens (PPO, as in verl).
+    grpo       A_i = (score_i - mean_G(i)) / (std_G(i) + eps), std unbiased as torch.std; a group of
+               one has mean 0, std 1 (as verl). With norm_by_std=False the division is skipped.
+    drgrpo     A_i = score_i - mean_G(i)  (Dr. GRPO: no std normalisation).
+    rloo       A_i = score_i - mean_{j in G(i), j != i} score_j; a group of one gets 0 (verl keeps
+               the raw score there; with no other sample there is no baseline, hence no signal).
+    reinforce_plus_plus
+               G_t = sum_{k >= t} gamma^{k-t} r_k (return-to-go), whitened over the batch's valid
+               tokens; returns = G.
+    remax      A_i = score_i - b_i, b_i the reward of the greedy response to the same prompt;
+               returns = A. (verl uses the per-token return-to-go minus b_i; both agree when the
+               only reward is the outcome at the last token.)
+
+Sequence-level advantages are broadcast over the valid tokens of their response. "Whitened" is
+(x - mean) / sqrt(var + 1e-8) with the masked mean and unbiased masked variance (verl masked_whiten).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from megarl.algorithms.aggregation import masked_mean
+from megarl.registry import Registry
+
+WHITEN_EPS = 1e-8
+
+
+@dataclass
+class AdvantageInputs:
+    token_rewards_BR: Tensor
+    """Reward at the last valid response token plus any per-token penalties (e.g. KL)."""
+    mask_BR: Tensor
+    """1.0 at valid response tokens, 0.0 at right padding."""
+    group_ids_B: Tensor
+    """Long; responses to the same prompt share an id (see `group_ids_from_index`)."""
+    values_BR: Tensor | None = None
+    """Critic values at the response tokens (gae only)."""
+    baseline_rewards_B: Tensor | None = None
+    """Reward of the greedy response for each sample's prompt (remax only)."""
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_by_std: bool = True
+    """grpo: divide by the group std."""
+    epsilon: float = 1e-6
+    """grpo: added to the group std."""
+
+
+ADVANTAGE_ESTIMATORS: Registry[Callable[[AdvantageInputs], tuple[Tensor, Tensor]]] = Registry(
+    "advantage estimator"
+)
+
+
+def group_ids_from_index(uids: list) -> Tensor:
+    """Long tensor numbering the distinct uids by first appearance: ['a', 'b', 'a'] -> [0, 1, 0]."""
+    numbers: dict = {}
+    return torch.tensor([numbers.setdefault(uid, len(numbers)) for uid in uids], dtype=torch.long)
+
+
+def masked_whiten(values_BR: Tensor, mask_BR: Tensor) -> Tensor:
+    """(x - mean) / sqrt(var + 1e-8) over valid tokens, var unbiased (Bessel's correction)."""
+    mean = masked_mean(values_BR, mask_BR)
+    num_valid = mask_BR.sum()
+    variance = masked_mean((values_BR - mean) ** 2, mask_BR) * num_valid / (num_valid - 1).clamp(min=1)
+    return (values_BR - mean) * torch.rsqrt(variance + WHITEN_EPS)
+
+
+def _group_statistics(scores_B: Tensor, group_ids_B: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per sample: its group's size, sum, mean and unbiased std (gathered back to shape (B,))."""
+    _, group_B = torch.unique(group_ids_B, return_inverse=True)
+    num_groups = int(group_B.max()) + 1 if group_B.numel() else 0
+    zeros_G = scores_B.new_zeros(num_groups)
+    size_G = zeros_G.index_add(0, group_B, torch.ones_like(scores_B))
+    sum_G = zeros_G.index_add(0, group_B, scores_B)
+    mean_G = sum_G / size_G
+    squares_G = zeros_G.index_add(0, group_B, (scores_B - mean_G[group_B]) ** 2)
+    std_G = (squares_G / (size_G - 1).clamp(min=1)).sqrt()
+    return size_G[group_B], sum_G[group_B], mean_G[group_B], std_G[group_B]
+
+
+def _broadcast(advantages_B: Tensor, mask_BR: Tensor) -> tuple[Tensor, Tensor]:
+    advantages_BR = advantages_B.unsqueeze(-1) * mask_BR
+    return advantages_BR, advantages_BR
+
+
+def _outcome_scores(inputs: AdvantageInputs) -> Tensor:
+    return (inputs.token_rewards_BR * inputs.mask_BR).sum(dim=-1)
+
+
+@ADVANTAGE_ESTIMATORS.register("gae")
+@torch.no_grad()
+def gae(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    if inputs.values_BR is None:
+        raise ValueError("advantage estimator 'gae' needs values_BR (a critic)")
+    rewards_BR, values_BR, mask_BR = inputs.token_rewards_BR, inputs.values_BR, inputs.mask_BR
+    next_value_B = torch.zeros_like(values_BR[:, 0])
+    last_advantage_B = torch.zeros_like(values_BR[:, 0])
+    advantages_BR = torch.zeros_like(values_BR)
+    for t in reversed(range(rewards_BR.shape[1])):
+        delta_B = rewards_BR[:, t] + inputs.gamma * next_value_B - values_BR[:, t]
+        advantage_B = delta_B + inputs.gamma * inputs.lam * last_advantage_B
+        # A masked token is skipped: the recursion carries over it unchanged.
+        valid_B = mask_BR[:, t]
+        next_value_B = torch.where(valid_B > 0, values_BR[:, t], next_value_B)
+        last_advantage_B = torch.where(valid_B > 0, advantage_B, last_advantage_B)
+        advantages_BR[:, t] = last_advantage_B
+    returns_BR = (advantages_BR + values_BR) * mask_BR
+    return masked_whiten(advantages_BR, mask_BR) * mask_BR, returns_BR
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo")
+@torch.no_grad()
+def grpo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    scores_B = _outcome_scores(inputs)
+    size_B, _, mean_B, std_B = _group_statistics(scores_B, inputs.group_ids_B)
+    # A group of one has no baseline: mean 0 and std 1, as in verl.
+    mean_B = torch.where(size_B > 1, mean_B, torch.zeros_like(mean_B))
+    std_B = torch.where(size_B > 1, std_B, torch.ones_like(std_B))
+    advantages_B = scores_B - mean_B
+    if inputs.norm_by_std:
+        advantages_B = advantages_B / (std_B + inputs.epsilon)
+    return _broadcast(advantages_B, inputs.mask_BR)
+
+
+@ADVANTAGE_ESTIMATORS.register("drgrpo")
+@torch.no_grad()
+def drgrpo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    scores_B = _outcome_scores(inputs)
+    size_B, _, mean_B, _ = _group_statistics(scores_B, inputs.group_ids_B)
+    mean_B = torch.where(size_B > 1, mean_B, torch.zeros_like(mean_B))
+    return _broadcast(scores_B - mean_B, inputs.mask_BR)
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo")
+@torch.no_grad()
+def rloo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    scores_B = _outcome_scores(inputs)
+    size_B, sum_B, _, _ = _group_statistics(scores_B, inputs.group_ids_B)
+    leave_one_out_mean_B = (sum_B - scores_B) / (size_B - 1).clamp(min=1)
+    advantages_B = torch.where(size_B > 1, scores_B - leave_one_out_mean_B, torch.zeros_like(scores_B))
+    return _broadcast(advantages_B, inputs.mask_BR)
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus")
+@torch.no_grad()
+def reinforce_plus_plus(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    rewards_BR, mask_BR = inputs.token_rewards_BR * inputs.mask_BR, inputs.mask_BR
+    returns_BR = torch.zeros_like(rewards_BR)
+    running_B = torch.zeros_like(rewards_BR[:, 0])
+    for t in reversed(range(rewards_BR.shape[1])):
+        running_B = rewards_BR[:, t] + inputs.gamma * running_B
+        returns_BR[:, t] = running_B
+    return masked_whiten(returns_BR, mask_BR) * mask_BR, returns_BR * mask_BR
+
+
+@ADVANTAGE_ESTIMATORS.register("remax")
+@torch.no_grad()
+def remax(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    if inputs.baseline_rewards_B is None:
+        raise ValueError("advantage estimator 'remax' needs baseline_rewards_B (greedy-response rewards)")
+    return _broadcast(_outcome_scores(inputs) - inputs.baseline_rewards_B, inputs.mask_BR)

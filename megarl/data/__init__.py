@@ -1,0 +1,17 @@
+"""Prompt data: the parquet layout, tokenized prompt datasets, resumable sampling.
+
+Synthetic tasks live in `megarl.data.synthetic` (not imported here, so `python -m` runs it cleanly).
+"""
+
+from megarl.data.dataset import Prompt, PromptDataset, load_rows, read_records, write_rows
+from megarl.data.sampler import ResumableSampler, shard
+
+__all__ = [
+    "Prompt",
+    "PromptDataset",
+    "ResumableSampler",
+    "load_rows",
+    "read_records",
+    "shard",
+    "write_rows",
+]

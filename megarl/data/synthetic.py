@@ -1,0 +1,130 @@
+"""Synthetic RL tasks with rule rewards, written as train/test parquet files in the common layout.
+
+- arithmetic: "a+b=" with a, b in [0, max_operand]; the answer is the sum (data_source
+  "arithmetic"). Small models learn it within a few RL steps, which makes it a good smoke test.
+- countdown: reach a target from 3-4 numbers in [1, 50] with + - * / and parentheses, using each
+  number at most once (data_source "countdown"). The target is built by folding the numbers with
+  random operations, so it is always reachable; the folding expression is kept in
+  extra_info["solution"].
+
+Train and test never share a question. Generation is deterministic in `seed`.
+
+    python -m megarl.data.synthetic --task arithmetic --out-dir data/arithmetic --num-train 2000 --num-test 200 --seed 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+from megarl.data.dataset import write_rows
+
+COUNTDOWN_INSTRUCTION = (
+    "Using the numbers {numbers}, create an equation that equals {target}. You can use basic arithmetic "
+    "operations (+, -, *, /) and parentheses, and each number at most once. Show your work in <think> </think> "
+    "tags, and return the final equation in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>."
+)
+
+
+def _row(content: str, data_source: str, ability: str, ground_truth: str, extra_info: dict) -> dict:
+    return {
+        "prompt": [{"role": "user", "content": content}],
+        "data_source": data_source,
+        "ability": ability,
+        "reward_model": {"style": "rule", "ground_truth": ground_truth},
+        "extra_info": extra_info,
+    }
+
+
+def _write_split(rows: list[dict], num_test: int, out_dir: str | Path) -> tuple[str, str]:
+    """The first `num_test` rows are the test split, the rest train; both get split and index."""
+    splits = {"train": rows[num_test:], "test": rows[:num_test]}
+    paths = []
+    for split, split_rows in splits.items():
+        for index, row in enumerate(split_rows):
+            row["extra_info"] = {"split": split, "index": index, **row["extra_info"]}
+        paths.append(str(write_rows(split_rows, Path(out_dir) / f"{split}.parquet")))
+    return paths[0], paths[1]
+
+
+def _check_counts(num_train: int, num_test: int) -> None:
+    if num_train < 1 or num_test < 1:
+        raise ValueError(f"num_train and num_test must be at least 1, got {num_train} and {num_test}")
+
+
+def make_arithmetic(num_train: int, num_test: int, seed: int, max_operand: int = 499, *,
+                    out_dir: str | Path) -> tuple[str, str]:
+    """Write `a+b=` tasks to out_dir/{train,test}.parquet; returns (train_path, test_path)."""
+    _check_counts(num_train, num_test)
+    num_pairs = (max_operand + 1) ** 2
+    if num_train + num_test > num_pairs:
+        raise ValueError(f"max_operand={max_operand} gives only {num_pairs} distinct questions, "
+                         f"{num_train + num_test} requested")
+    # Sampling distinct (a, b) pairs without replacement keeps train and test disjoint.
+    pairs = random.Random(seed).sample(range(num_pairs), num_train + num_test)
+    rows = []
+    for pair in pairs:
+        a, b = divmod(pair, max_operand + 1)
+        rows.append(_row(f"{a}+{b}=", "arithmetic", "arithmetic", str(a + b), {}))
+    return _write_split(rows, num_test, out_dir)
+
+
+def _countdown_task(rng: random.Random) -> tuple[list[int], int, str]:
+    """(numbers, target, an expression reaching target) with every intermediate a positive integer."""
+    numbers = [rng.randint(1, 50) for _ in range(rng.choice((3, 4)))]
+    order = rng.sample(numbers, len(numbers))
+    value, expression = order[0], str(order[0])
+    for x in order[1:]:
+        operators = ["+"]
+        operators += ["-"] if value > x else []
+        operators += ["*"] if value * x <= 1000 else []  # keep targets in a range models can reach
+        operators += ["/"] if value % x == 0 else []
+        operator = rng.choice(operators)
+        value = {"+": value + x, "-": value - x, "*": value * x, "/": value // x}[operator]
+        expression = f"({expression} {operator} {x})"
+    return numbers, value, expression[1:-1]
+
+
+def make_countdown(num_train: int, num_test: int, seed: int, out_dir: str | Path) -> tuple[str, str]:
+    """Write countdown tasks to out_dir/{train,test}.parquet; returns (train_path, test_path)."""
+    _check_counts(num_train, num_test)
+    rng = random.Random(seed)
+    seen: set[tuple] = set()
+    rows = []
+    for _ in range(20 * (num_train + num_test)):
+        if len(rows) == num_train + num_test:
+            break
+        numbers, target, expression = _countdown_task(rng)
+        question = (tuple(sorted(numbers)), target)
+        if question in seen:
+            continue
+        seen.add(question)
+        content = COUNTDOWN_INSTRUCTION.format(numbers=numbers, target=target)
+        ground_truth = json.dumps({"target": target, "numbers": numbers})
+        rows.append(_row(content, "countdown", "math", ground_truth, {"solution": expression}))
+    if len(rows) < num_train + num_test:
+        raise ValueError(f"could only generate {len(rows)} distinct countdown tasks, "
+                         f"{num_train + num_test} requested")
+    return _write_split(rows, num_test, out_dir)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--task", choices=["arithmetic", "countdown"], required=True)
+    parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--num-train", type=int, default=2000)
+    parser.add_argument("--num-test", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-operand", type=int, default=499, help="arithmetic only")
+    args = parser.parse_args(argv)
+    if args.task == "arithmetic":
+        paths = make_arithmetic(args.num_train, args.num_test, args.seed, args.max_operand, out_dir=args.out_dir)
+    else:
+        paths = make_countdown(args.num_train, args.num_test, args.seed, args.out_dir)
+    print(f"wrote {paths[0]} ({args.num_train} rows) and {paths[1]} ({args.num_test} rows)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Scoring a batch of responses with one `compute_score` function, robustly, and placing the rewards.
+
+`RewardManager.score` calls `compute_score(data_source, solution_str, ground_truth, extra_info)`
+once per item. A call that raises, returns something that is not a finite number (or a dict with a
+finite "score"), or runs past `timeout_seconds` scores 0.0 and is counted; it never stops the run.
+
+The timeout runs each call in its own daemon thread and joins it with a deadline. Python cannot
+kill a thread, so a timed-out scorer keeps running in the background until it returns (its result
+is then discarded); being a daemon it does not keep the process alive at exit. Calls run one after
+another: scorers are pure Python and hold the GIL, so threads would not make them faster.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScoringItem:
+    data_source: str
+    solution_str: str
+    ground_truth: str
+    extra_info: dict | None = None
+
+
+@dataclass
+class RewardResult:
+    scores: list[float]
+    """One reward per item; 0.0 where the scorer failed or timed out."""
+
+    extra: dict[str, list[float]] = field(default_factory=dict)
+    """Extra numeric metrics from dict returns, aligned with the items; nan where an item lacks one."""
+
+    num_errors: int = 0
+    num_timeouts: int = 0
+    first_error: str | None = None
+    """One line describing the first failure (error or timeout), for the log."""
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _call_with_timeout(function: Callable, args: tuple, timeout_seconds: float) -> Any:
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = function(*args)
+        except BaseException as exc:  # reported to the caller, who counts it
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="megarl-reward-scorer", daemon=True)
+    thread.start()
+    thread.join(timeout_seconds)
+    if thread.is_alive():
+        raise _Timeout
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float))  # bools count: a correctness flag is a fine metric
+
+
+def _split_result(value: Any) -> tuple[float, dict[str, float]]:
+    """(score, extra metrics) of a scorer's return value; ValueError if it has no finite score."""
+    extras: dict[str, float] = {}
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise ValueError(f"a dict returned by compute_score needs a 'score' key, got keys {sorted(value)}")
+        extras = {k: float(v) for k, v in value.items() if k != "score" and _is_number(v)}
+        value = value["score"]
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if not _is_number(value) or not math.isfinite(float(value)):
+        raise ValueError(f"compute_score must return a finite number or a dict with 'score', got {value!r}")
+    return float(value), extras
+
+
+class RewardManager:
+    def __init__(self, compute_score: Callable, timeout_seconds: float = 10.0):
+        if timeout_seconds <= 0:
+            raise ValueError(f"reward timeout_seconds must be positive, got {timeout_seconds}")
+        self.compute_score = compute_score
+        self.timeout_seconds = timeout_seconds
+
+    def score(self, items: list[ScoringItem]) -> RewardResult:
+        result = RewardResult(scores=[])
+        extras_per_item: list[dict[str, float]] = []
+        for index, item in enumerate(items):
+            args = (item.data_source, item.solution_str, item.ground_truth, item.extra_info)
+            score, extras, failure = 0.0, {}, None
+            try:
+                score, extras = _split_result(_call_with_timeout(self.compute_score, args, self.timeout_seconds))
+            except _Timeout:
+                result.num_timeouts += 1
+                failure = f"timed out after {self.timeout_seconds} s"
+            except Exception as exc:
+                result.num_errors += 1
+                failure = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+            if failure is not None and result.first_error is None:
+                result.first_error = f"item {index} (data_source {item.data_source!r}): {failure}"
+            result.scores.append(score)
+            extras_per_item.append(extras)
+        for key in sorted({key for extras in extras_per_item for key in extras}):
+            result.extra[key] = [extras.get(key, math.nan) for extras in extras_per_item]
+        if result.num_errors or result.num_timeouts:
+            logger.warning("reward scoring: %d errors, %d timeouts of %d items; first: %s",
+                           result.num_errors, result.num_timeouts, len(items), result.first_error)
+        return result
+
+
+def token_level_scores(scores: list[float], response_lengths: list[int], max_response_length: int | None = None) -> torch.Tensor:
+    """(B, R) float32 rewards, zero except each score on its response's last token.
+
+    Responses are right-padded: response b occupies positions [0, response_lengths[b]). R is
+    max(response_lengths) unless `max_response_length` is given.
+    """
+    if len(scores) != len(response_lengths):
+        raise ValueError(f"{len(scores)} scores for {len(response_lengths)} responses")
+    width = max_response_length if max_response_length is not None else max(response_lengths, default=0)
+    for b, length in enumerate(response_lengths):
+        if not 1 <= length <= width:
+            raise ValueError(f"response {b} has length {length}; expected 1..{width} to place its reward")
+    rewards_BR = torch.zeros(len(scores), width, dtype=torch.float32)
+    if scores:
+        rows = torch.arange(len(scores))
+        last = torch.tensor(response_lengths, dtype=torch.long) - 1
+        rewards_BR[rows, last] = torch.tensor(scores, dtype=torch.float32)
+    return rewards_BR

@@ -1,0 +1,63 @@
+"""Metrics of a run, to the console and to mlflow; only global rank 0 writes.
+
+mlflow defaults to a SQLite file in the run directory, an embedded store that needs no server:
+`mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow.db` shows the run. The history of every
+metric is also kept in memory for the end-of-run curves (`megarl.trainer.curves`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+
+CONSOLE_KEYS = ("reward/mean", "val/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy",
+                "response_length/mean", "mismatch/logprob_abs_diff_max", "timing/step", "throughput/tokens_per_s")
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    flat = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+class Tracker:
+    def __init__(self, loggers: list[str], run_dir: Path, experiment_name: str, tracking_uri: str, config,
+                 is_writer: bool):
+        self.loggers = set(loggers) if is_writer else set()
+        self.history: dict[str, list[tuple[int, float]]] = {}
+        self.run_dir = run_dir
+        self._mlflow = None
+        if "mlflow" in self.loggers:
+            import mlflow
+
+            run_dir.mkdir(parents=True, exist_ok=True)
+            mlflow.set_tracking_uri(tracking_uri or f"sqlite:///{run_dir.resolve()}/mlflow.db")
+            mlflow.set_experiment(experiment_name)
+            mlflow.start_run()
+            params = flatten(asdict(config) if is_dataclass(config) else dict(config))
+            mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
+            self._mlflow = mlflow
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        finite = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
+        for key, value in finite.items():
+            self.history.setdefault(key, []).append((step, value))
+        if self._mlflow is not None:
+            self._mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in finite.items()}, step=step)
+        if "console" in self.loggers:
+            shown = "  ".join(f"{k}={finite[k]:.4g}" for k in CONSOLE_KEYS if k in finite)
+            print(f"step {step}: {shown}", flush=True)
+
+    def log_artifact(self, path: Path) -> None:
+        if self._mlflow is not None:
+            self._mlflow.log_artifact(str(path))
+
+    def close(self) -> None:
+        if self._mlflow is not None:
+            self._mlflow.end_run()

@@ -1,0 +1,75 @@
+"""The actor's and critic's losses, assembled from the registered pure functions.
+
+Each loss is computed per micro-batch but normalised by the counts of the whole mini-batch (the
+engine's `LossNormalizer`), so per-micro-batch losses and metrics are contributions that add up
+to the mini-batch value across micro-batches and DP ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.algorithms import (
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    PolicyLossParams,
+    aggregate,
+    clipped_value_loss,
+    truncated_importance_weights,
+)
+from megarl.config.schema import ActorConfig, CriticConfig
+from megarl.engine.batch import SequenceBatch
+from megarl.engine.megatron_engine import LossFn, LossNormalizer
+
+
+def _as_contribution(value: torch.Tensor, micro_batch: SequenceBatch, normalizer: LossNormalizer) -> torch.Tensor:
+    """A token-mean metric of one micro-batch, weighted by its share of the mini-batch's tokens."""
+    return value.detach() * micro_batch.response_lengths_B.sum() / normalizer.num_tokens
+
+
+def actor_loss(config: ActorConfig, max_response_length: int) -> LossFn:
+    policy_loss = POLICY_LOSSES.get(config.policy_loss)
+    kl_estimator = KL_ESTIMATORS.get(config.kl_loss_type)
+    params = PolicyLossParams(config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_c or None)
+
+    def loss_fn(outputs: dict, micro_batch: SequenceBatch, normalizer: LossNormalizer):
+        tensors = {k: v.to(outputs["logprobs"].device) for k, v in micro_batch.response_tensors.items()}
+        mask_BR = micro_batch.response_mask_BR.to(outputs["logprobs"].device)
+
+        def mean(values_BR):
+            return aggregate(values_BR, mask_BR, config.loss_agg_mode, normalizer.num_tokens,
+                             normalizer.num_sequences, max_response_length)
+
+        weights_BR = None
+        if config.tis_cap > 0:
+            weights_BR = truncated_importance_weights(tensors["old_logprobs"], tensors["rollout_logprobs"],
+                                                      mask_BR, config.tis_cap)
+        pg_BR, pg_metrics = policy_loss(outputs["logprobs"], tensors["old_logprobs"], tensors["advantages"],
+                                        mask_BR, params, weights_BR)
+        pg_loss, entropy = mean(pg_BR), mean(outputs["entropy"])
+        loss = pg_loss - config.entropy_coeff * entropy
+        metrics = {"actor/pg_loss": pg_loss.detach(), "actor/entropy": entropy.detach()}
+        if config.use_kl_loss:
+            kl = mean(kl_estimator(outputs["logprobs"], tensors["ref_logprobs"]))
+            loss = loss + config.kl_loss_coef * kl
+            metrics["actor/kl_loss"] = kl.detach()
+        for name, value in pg_metrics.items():
+            metrics[f"actor/{name}"] = _as_contribution(torch.as_tensor(value), micro_batch, normalizer)
+        return loss, metrics
+
+    return loss_fn
+
+
+def critic_loss(config: CriticConfig) -> LossFn:
+    def loss_fn(outputs: dict, micro_batch: SequenceBatch, normalizer: LossNormalizer):
+        tensors = {k: v.to(outputs["values"].device) for k, v in micro_batch.response_tensors.items()}
+        mask_BR = micro_batch.response_mask_BR.to(outputs["values"].device)
+        loss_BR, value_metrics = clipped_value_loss(outputs["values"], tensors["values"], tensors["returns"],
+                                                    mask_BR, config.cliprange_value)
+        loss = aggregate(loss_BR, mask_BR, "token-mean", normalizer.num_tokens)
+        metrics = {"critic/vf_loss": loss.detach()}
+        for name, value in value_metrics.items():
+            metrics[f"critic/{name}"] = _as_contribution(torch.as_tensor(value), micro_batch, normalizer)
+        return loss, metrics
+
+    return loss_fn

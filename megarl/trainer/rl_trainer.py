@@ -1,0 +1,266 @@
+"""The SPMD RL loop: every rank runs this same program (DESIGN.md, "The loop").
+
+    reshard -> rollout -> reward -> score -> advantage -> update -> log
+
+Models: the actor (trained), an optional reference (KL), an optional critic (GAE) and an optional
+reward model, all megatron-core models on the actor's layout, and one colocated rollout engine
+per TP_r ranks. Every rank holds the whole batch of the step; the engines split work over DP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from statistics import mean
+
+import torch
+import torch.distributed as dist
+from transformers import AutoTokenizer
+
+from megarl.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    AdvantageInputs,
+    FixedKLController,
+    keep_informative_groups,
+    kl_penalty_rewards,
+    overlong_penalty,
+    rollout_mismatch_metrics,
+)
+from megarl.config.schema import EngineConfig, ModelConfig, RunConfig
+from megarl.data.dataset import PromptDataset
+from megarl.data.sampler import ResumableSampler
+from megarl.engine.megatron_engine import MegatronEngine
+from megarl.resharding.executor import WeightSync
+from megarl.rewards import RewardManager, compute_score, load_function, token_level_scores
+from megarl.rollout import ROLLOUT_BACKENDS, Sampling
+from megarl.tracking import Tracker
+from megarl.trainer.contract import check_batch
+from megarl.trainer.curves import plot_curves
+from megarl.trainer.losses import actor_loss, critic_loss
+from megarl.trainer.rollouts import Rollouts, collect_rollouts
+from megarl.trainer.startup import Run
+from megarl.trainer.timing import PhaseTimer
+from megarl.trainer.validation import validation_metrics
+
+
+class RLTrainer:
+    def __init__(self, run: Run):
+        self.config, self.layout, self.run_dir = run.config, run.layout, run.run_dir
+        config = self.config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        data = config.data
+        self.train_data = PromptDataset(data.train_files, self.tokenizer, data.max_prompt_length,
+                                        data.apply_chat_template)
+        self.val_data = (PromptDataset(data.val_files, self.tokenizer, data.max_prompt_length,
+                                       data.apply_chat_template) if data.val_files else None)
+        self.sampler = ResumableSampler(len(self.train_data), data.train_batch_size, config.trainer.seed,
+                                        shuffle=data.shuffle)
+        self.estimator = ADVANTAGE_ESTIMATORS.get(config.algorithm.adv_estimator)
+        self.kl_penalty = KL_ESTIMATORS.get(config.algorithm.kl_penalty)
+        self.actor = self._engine(config.actor, trainable=True)
+        uses_reference = config.actor.use_kl_loss or config.algorithm.use_kl_in_reward
+        self.reference = self._engine(config.actor, trainable=False) if uses_reference else None
+        self.critic = None
+        if config.critic.enable:
+            self.critic = self._engine(config.critic, trainable=True, path=config.critic.path or None, value=True)
+        self.reward_model = None
+        if config.reward.reward_model_path:
+            self.reward_model = self._engine(EngineConfig(), trainable=False, path=config.reward.reward_model_path)
+        self.rollout = self._rollout_engine()
+        self.sync = WeightSync(self.actor.module, self.actor.arch, self.layout, self.rollout, config.rollout.tp,
+                               config.rollout.bucket_mib << 20)
+        score_fn = (load_function(config.reward.custom_function_path, config.reward.custom_function_name)
+                    if config.reward.custom_function_path else compute_score)
+        self.rewards = RewardManager(score_fn, config.reward.timeout_seconds)
+        kl = config.algorithm.kl_ctrl
+        self.kl_ctrl = (AdaptiveKLController(kl.coef, kl.target_kl, kl.horizon) if kl.type == "adaptive"
+                        else FixedKLController(kl.coef))
+        self.tracker = Tracker(config.trainer.loggers, self.run_dir, config.trainer.experiment_name,
+                               config.trainer.mlflow_tracking_uri, config, is_writer=self.layout.rank == 0)
+
+    # ---- set-up -----------------------------------------------------------------------------------
+
+    def _optimizer_steps(self, engine_config: EngineConfig) -> int:
+        per_step = math.ceil(self.config.data.train_batch_size / engine_config.ppo_mini_batch_size)
+        return self.config.trainer.total_steps * engine_config.ppo_epochs * per_step
+
+    def _engine(self, engine_config: EngineConfig, trainable: bool, path: str | None = None,
+                value: bool = False) -> MegatronEngine:
+        return MegatronEngine(self.layout, self.config.model, engine_config, model_path=path,
+                              total_optimizer_steps=self._optimizer_steps(engine_config) if trainable else None,
+                              value_head=value)
+
+    def _rollout_engine(self):
+        rollout, data = self.config.rollout, self.config.data
+        backend = ROLLOUT_BACKENDS.get(rollout.backend)
+        return backend(self.config.model.path, dtype=self.config.model.dtype, tensor_parallel_size=rollout.tp,
+                       max_model_len=data.max_prompt_length + data.max_response_length,
+                       kv_cache_bytes=rollout.kv_cache_mib << 20,
+                       gpu_memory_utilization=rollout.gpu_memory_utilization, seed=self.config.trainer.seed)
+
+    def _sampling(self, step: int, validation: bool) -> Sampling:
+        rollout = self.config.rollout
+        stop = (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
+        if validation:
+            return Sampling(n=rollout.val_n, temperature=rollout.val_temperature, top_p=rollout.top_p,
+                            top_k=rollout.top_k, max_tokens=self.config.data.max_response_length,
+                            stop_token_ids=stop, seed=self.config.trainer.seed)
+        return Sampling(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+                        max_tokens=self.config.data.max_response_length, stop_token_ids=stop,
+                        seed=self.config.trainer.seed * 1_000_003 + step * 65_537)
+
+    # ---- the loop ---------------------------------------------------------------------------------
+
+    def fit(self) -> dict[str, float]:
+        trainer = self.config.trainer
+        last = {}
+        if self.val_data is not None and trainer.val_before_train:
+            self.sync.sync(step=0)
+            self.tracker.log(self.validate(), step=0)
+        for step in range(1, trainer.total_steps + 1):
+            last = self.step(step)
+            if self.val_data is not None and (step == trainer.total_steps or
+                                              (trainer.test_freq and step % trainer.test_freq == 0)):
+                last.update(self.validate())
+            self.tracker.log(last, step)
+        if self.layout.rank == 0:
+            self.tracker.log_artifact(plot_curves(self.tracker.history, self.run_dir / "curves.png"))
+            self.tracker.log_artifact(self.run_dir / "config.yaml")
+        self.tracker.close()
+        self.rollout.shutdown()
+        return last
+
+    def step(self, step: int) -> dict[str, float]:
+        timer = PhaseTimer()
+        with timer("reshard"):
+            sync = self.sync.sync(step)
+        with timer("rollout"):
+            rollouts, rounds = self._generate_training_rollouts(step)
+        self.rollout.sleep()
+        batch = rollouts.to_batch(self.pad_token_id)
+        self._check(batch, "rollout", ("rollout_logprobs",))
+        temperature = self.config.rollout.temperature
+        with timer("score"):
+            scored = self.actor.score(batch, temperature)
+            batch.response_tensors["old_logprobs"] = scored["logprobs"]
+            if self.reference is not None:
+                batch.response_tensors["ref_logprobs"] = self.reference.score(batch, temperature)["logprobs"]
+            if self.critic is not None:
+                batch.response_tensors["values"] = self.critic.score(batch)["values"]
+            scores = torch.tensor(rollouts.scores)
+            if self.reward_model is not None:
+                scores = scores + self._reward_model_scores(batch)
+        self._check(batch, "score", ("old_logprobs",))
+        with timer("advantage"):
+            advantage_metrics = self._advantages(batch, rollouts, scores)
+        self._check(batch, "advantage", ("advantages", "returns"))
+        with timer("update_actor"):
+            actor_history = self.actor.update(batch, actor_loss(self.config.actor, self.config.data.max_response_length),
+                                              self.config.rollout.n, seed=step, temperature=temperature)
+        critic_history = []
+        if self.critic is not None:
+            with timer("update_critic"):
+                critic_history = self.critic.update(batch, critic_loss(self.config.critic), self.config.rollout.n,
+                                                    seed=step)
+        self.rollout.wake_up()
+        return self._metrics(step, batch, rollouts, scores, scored, sync, rounds, timer, advantage_metrics,
+                             actor_history, critic_history)
+
+    def _generate_training_rollouts(self, step: int) -> tuple[Rollouts, int]:
+        """A batch of prompts; with DAPO's group filtering, more prompts until the batch is full of
+        informative groups (or the round limit is hit)."""
+        algorithm = self.config.algorithm
+        wanted = self.config.data.train_batch_size
+        kept, rounds = Rollouts(), 0
+        while rounds == 0 or (algorithm.filter_groups and len(set(kept.group_ids)) < wanted
+                              and rounds <= algorithm.max_filter_rounds):
+            prompts = [self.train_data[i] for i in self.sampler.next_batch()]
+            fresh = collect_rollouts(prompts, self.rollout, self._sampling(step * 31 + rounds, validation=False),
+                                     self.config.rollout.tp, self.tokenizer, self.rewards)
+            if algorithm.filter_groups:
+                keep = keep_informative_groups(torch.tensor(fresh.scores), torch.tensor(fresh.group_ids))
+                fresh = fresh.select([i for i, k in enumerate(keep.tolist()) if k])
+            kept.extend(fresh)
+            rounds += 1
+        if algorithm.filter_groups:
+            groups = sorted(set(kept.group_ids))[:wanted] or sorted(set(kept.group_ids))
+            if not groups:
+                raise RuntimeError(f"step {step}: every group had equal rewards in {rounds} rounds; "
+                                   "raise algorithm.max_filter_rounds or disable algorithm.filter_groups")
+            kept = kept.select([i for i, g in enumerate(kept.group_ids) if g in set(groups)])
+        return kept, rounds
+
+    def _reward_model_scores(self, batch) -> torch.Tensor:
+        values_BR = self.reward_model.score(batch)["values"]
+        last = (batch.response_lengths_B - 1).clamp(min=0)
+        return values_BR.gather(1, last[:, None]).squeeze(1)
+
+    def _advantages(self, batch, rollouts: Rollouts, scores: torch.Tensor) -> dict[str, float]:
+        algorithm, tensors = self.config.algorithm, batch.response_tensors
+        mask_BR = batch.response_mask_BR
+        if algorithm.overlong_buffer_length:
+            scores = scores + overlong_penalty(batch.response_lengths_B, self.config.data.max_response_length,
+                                               algorithm.overlong_buffer_length, algorithm.overlong_penalty_factor)
+        token_rewards_BR = token_level_scores(scores.tolist(), batch.response_lengths_B.tolist())
+        metrics = {}
+        if algorithm.use_kl_in_reward:
+            token_rewards_BR, kl = kl_penalty_rewards(token_rewards_BR, tensors["old_logprobs"], tensors["ref_logprobs"],
+                                                      mask_BR, self.kl_ctrl.value, self.kl_penalty)
+            self.kl_ctrl.update(kl, len(batch))
+            metrics.update({"actor/reward_kl": kl, "actor/reward_kl_coef": self.kl_ctrl.value})
+        advantages_BR, returns_BR = self.estimator(AdvantageInputs(
+            token_rewards_BR=token_rewards_BR, mask_BR=mask_BR, group_ids_B=torch.tensor(rollouts.group_ids),
+            values_BR=tensors.get("values"), baseline_rewards_B=None, gamma=algorithm.gamma, lam=algorithm.lam,
+            norm_by_std=algorithm.norm_adv_by_std,
+        ))
+        tensors["advantages"], tensors["returns"] = advantages_BR * mask_BR, returns_BR * mask_BR
+        valid = mask_BR.bool()
+        metrics.update({"advantages/mean": float(advantages_BR[valid].mean()),
+                        "advantages/max": float(advantages_BR[valid].max()),
+                        "advantages/min": float(advantages_BR[valid].min()),
+                        "returns/mean": float(returns_BR[valid].mean())})
+        return metrics
+
+    def _check(self, batch, phase: str, required: tuple[str, ...]) -> None:
+        if self.config.trainer.check_batches:
+            check_batch(phase, batch, self.actor.arch.vocab_size, required)
+
+    def _metrics(self, step, batch, rollouts, scores, scored, sync, rounds, timer, advantage_metrics,
+                 actor_history, critic_history) -> dict[str, float]:
+        lengths = batch.response_lengths_B.float()
+        mask_BR = batch.response_mask_BR
+        tokens = int(batch.sequence_lengths_B.sum())
+        metrics = {
+            "reward/mean": float(scores.mean()), "reward/max": float(scores.max()), "reward/min": float(scores.min()),
+            "reward/errors": float(rollouts.num_reward_errors), "reward/timeouts": float(rollouts.num_reward_timeouts),
+            "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+            "response_length/clip_ratio": mean(r == "length" for r in rollouts.finish_reasons),
+            "rollout/entropy": float((scored["entropy"] * mask_BR).sum() / mask_BR.sum()),
+            "rollout/filter_rounds": float(rounds),
+            "sync/seconds": sync.seconds, "sync/bytes_received": float(sync.bytes_received),
+            "sync/bytes_over_lower_bound": sync.bytes_received / max(sync.lower_bound, 1),
+            "throughput/tokens_per_s": tokens / max(sum(timer.seconds.values()), 1e-9),
+            **advantage_metrics,
+            **rollout_mismatch_metrics(batch.response_tensors["old_logprobs"],
+                                       batch.response_tensors["rollout_logprobs"], mask_BR),
+            **timer.metrics(),
+        }
+        for key, values in rollouts.score_extras.items():
+            finite = [v for v in values if not math.isnan(v)]
+            if finite:
+                metrics[f"reward/{key}"] = mean(finite)
+        for prefix, history in (("actor", actor_history), ("critic", critic_history)):
+            for key in history[0] if history else ():
+                metrics[key if "/" in key else f"{prefix}/{key}"] = mean(h[key] for h in history)
+        return metrics
+
+    def validate(self) -> dict[str, float]:
+        limit = self.config.data.max_val_samples or len(self.val_data)
+        prompts = [self.val_data[i] for i in range(min(limit, len(self.val_data)))]
+        rollouts = collect_rollouts(prompts, self.rollout, self._sampling(0, validation=True), self.config.rollout.tp,
+                                    self.tokenizer, self.rewards)
+        return validation_metrics(rollouts, self.config.rollout.val_n)
+

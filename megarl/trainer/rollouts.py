@@ -1,0 +1,109 @@
+"""Generation across the colocated engines, and the batch every rank then holds.
+
+Engines are replicas of TP_r consecutive ranks; replica k generates for prompts k, k + K, ... of
+the step (K replicas) and scores its responses with the reward function. One all-gather then gives
+every rank all responses, in prompt order, n per prompt (prompt-major).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.distributed as dist
+
+from megarl.data.dataset import Prompt
+from megarl.engine.batch import SequenceBatch
+from megarl.rewards.manager import RewardManager, ScoringItem
+from megarl.rollout.base import RolloutEngine, Sampling
+
+
+@dataclass
+class Rollouts:
+    prompts: list[Prompt] = field(default_factory=list)
+    """The prompt of each sequence (each prompt appears n times, consecutively)."""
+    group_ids: list[int] = field(default_factory=list)
+    """Sequences of the same prompt share a group id (GRPO's groups)."""
+    response_ids: list[list[int]] = field(default_factory=list)
+    rollout_logprobs: list[list[float]] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    score_extras: dict[str, list[float]] = field(default_factory=dict)
+    num_reward_errors: int = 0
+    num_reward_timeouts: int = 0
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    def select(self, indices: list[int]) -> Rollouts:
+        pick = lambda values: [values[i] for i in indices]  # noqa: E731
+        return replace(self, prompts=pick(self.prompts), group_ids=pick(self.group_ids),
+                       response_ids=pick(self.response_ids), rollout_logprobs=pick(self.rollout_logprobs),
+                       finish_reasons=pick(self.finish_reasons), scores=pick(self.scores),
+                       score_extras={k: pick(v) for k, v in self.score_extras.items()})
+
+    def extend(self, other: Rollouts) -> None:
+        offset = max(self.group_ids, default=-1) + 1
+        self.prompts += other.prompts
+        self.group_ids += [g + offset for g in other.group_ids]
+        self.response_ids += other.response_ids
+        self.rollout_logprobs += other.rollout_logprobs
+        self.finish_reasons += other.finish_reasons
+        self.scores += other.scores
+        for key, values in other.score_extras.items():
+            self.score_extras.setdefault(key, []).extend(values)
+        self.num_reward_errors += other.num_reward_errors
+        self.num_reward_timeouts += other.num_reward_timeouts
+
+    def to_batch(self, pad_token_id: int) -> SequenceBatch:
+        """Prompt + response token sequences, right-padded, with the engine's log-probs aligned."""
+        sequences = [p.prompt_ids + r for p, r in zip(self.prompts, self.response_ids)]
+        width = max(map(len, sequences))
+        tokens = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+        for i, sequence in enumerate(sequences):
+            tokens[i, : len(sequence)] = torch.tensor(sequence)
+        response_lengths = torch.tensor([len(r) for r in self.response_ids])
+        rollout_logprobs = torch.zeros(len(self), int(response_lengths.max()))
+        for i, logprobs in enumerate(self.rollout_logprobs):
+            rollout_logprobs[i, : len(logprobs)] = torch.tensor(logprobs)
+        return SequenceBatch(tokens, torch.tensor([len(p.prompt_ids) for p in self.prompts]), response_lengths,
+                             {"rollout_logprobs": rollout_logprobs})
+
+
+def collect_rollouts(prompts: list[Prompt], engine: RolloutEngine, sampling: Sampling, engine_tp: int,
+                     tokenizer, rewards: RewardManager) -> Rollouts:
+    """Generate and score `sampling.n` responses per prompt on the engine replicas; all ranks return all."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    replica, num_replicas = rank // engine_tp, world // engine_tp
+    mine = list(range(replica, len(prompts), num_replicas))
+    local = Rollouts()
+    if mine:
+        output = engine.generate([prompts[i].prompt_ids for i in mine],
+                                 replace(sampling, seed=sampling.seed + 7919 * replica))
+        local.prompts = [prompts[i] for i in mine for _ in range(sampling.n)]
+        local.group_ids = [i for i in mine for _ in range(sampling.n)]
+        local.response_ids, local.rollout_logprobs = output.response_ids, output.logprobs
+        local.finish_reasons = output.finish_reasons
+        texts = tokenizer.batch_decode(output.response_ids, skip_special_tokens=True)
+        result = rewards.score([ScoringItem(p.data_source, text, p.ground_truth, p.extra_info)
+                                for p, text in zip(local.prompts, texts)])
+        local.scores, local.score_extras = result.scores, result.extra
+        local.num_reward_errors, local.num_reward_timeouts = result.num_errors, result.num_timeouts
+    gathered = [None] * world
+    dist.all_gather_object(gathered, local)
+    replicas = gathered[::engine_tp]  # one copy per engine replica
+    merged = Rollouts()
+    order = sorted(((group, k, j) for k, part in enumerate(replicas) for j, group in enumerate(part.group_ids)))
+    for group, k, j in order:
+        part = replicas[k]
+        merged.prompts.append(part.prompts[j])
+        merged.group_ids.append(group)
+        merged.response_ids.append(part.response_ids[j])
+        merged.rollout_logprobs.append(part.rollout_logprobs[j])
+        merged.finish_reasons.append(part.finish_reasons[j])
+        merged.scores.append(part.scores[j])
+        for key, values in part.score_extras.items():
+            merged.score_extras.setdefault(key, []).append(values[j])
+    merged.num_reward_errors = sum(p.num_reward_errors for p in replicas)
+    merged.num_reward_timeouts = sum(p.num_reward_timeouts for p in replicas)
+    return merged

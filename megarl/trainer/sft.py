@@ -1,0 +1,65 @@
+"""Supervised fine-tuning on the RL data layout: a warm start for RL.
+
+Each prompt is followed by its reference response (`extra_info["answer"]` when the data has one,
+else the ground truth) and the end-of-text token; the loss is the token-mean negative
+log-likelihood of the response tokens. The result is exported as a HF checkpoint in
+`<run_dir>/hf`, ready to be `model.path` of an RL run.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoTokenizer
+
+from megarl.algorithms import aggregate
+from megarl.data.dataset import PromptDataset
+from megarl.data.sampler import ResumableSampler
+from megarl.engine.batch import SequenceBatch
+from megarl.engine.megatron_engine import MegatronEngine
+from megarl.models.hf_interop import export_hf
+from megarl.tracking import Tracker
+from megarl.trainer.startup import Run
+
+
+def negative_log_likelihood(outputs, micro_batch, normalizer):
+    mask_BR = micro_batch.response_mask_BR.to(outputs["logprobs"].device)
+    nll = aggregate(-outputs["logprobs"], mask_BR, "token-mean", normalizer.num_tokens)
+    return nll, {"sft/nll": nll.detach()}
+
+
+class SFTTrainer:
+    def __init__(self, run: Run):
+        self.config, self.layout, self.run_dir = run.config, run.layout, run.run_dir
+        config = self.config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+        self.data = PromptDataset(config.data.train_files, self.tokenizer, config.data.max_prompt_length,
+                                  config.data.apply_chat_template)
+        self.responses = [self._response_ids(self.data[i]) for i in range(len(self.data))]
+        self.sampler = ResumableSampler(len(self.data), config.data.train_batch_size, config.trainer.seed,
+                                        shuffle=config.data.shuffle)
+        self.engine = MegatronEngine(self.layout, config.model, config.actor,
+                                     total_optimizer_steps=config.trainer.total_steps)
+        self.tracker = Tracker([name for name in config.trainer.loggers], self.run_dir,
+                               config.trainer.experiment_name, config.trainer.mlflow_tracking_uri, config,
+                               is_writer=self.layout.rank == 0)
+
+    def _response_ids(self, prompt) -> list[int]:
+        text = prompt.extra_info.get("answer", prompt.ground_truth) if prompt.extra_info else prompt.ground_truth
+        ids = self.tokenizer(str(text), add_special_tokens=False)["input_ids"]
+        return ids[: self.config.data.max_response_length - 1] + [self.tokenizer.eos_token_id]
+
+    def batch(self, indices: list[int]) -> SequenceBatch:
+        sequences = [self.data[i].prompt_ids + self.responses[i] for i in indices]
+        tokens = torch.full((len(indices), max(map(len, sequences))), self.tokenizer.pad_token_id or 0)
+        for row, sequence in enumerate(sequences):
+            tokens[row, : len(sequence)] = torch.tensor(sequence)
+        return SequenceBatch(tokens, torch.tensor([len(self.data[i].prompt_ids) for i in indices]),
+                             torch.tensor([len(self.responses[i]) for i in indices]))
+
+    def fit(self) -> None:
+        for step in range(1, self.config.trainer.total_steps + 1):
+            metrics = self.engine.train_mini_batch(self.batch(self.sampler.next_batch()), negative_log_likelihood)
+            self.tracker.log({"sft/nll": metrics["sft/nll"], "actor/grad_norm": metrics["grad_norm"],
+                              "actor/lr": metrics["lr"]}, step)
+        export_hf(self.engine.module, self.engine.arch, self.layout, str(self.run_dir / "hf"), self.config.model.path)
+        self.tracker.close()

@@ -1,0 +1,34 @@
+"""Truncated importance weights and train/rollout mismatch metrics against hand values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megarl.algorithms.importance import rollout_mismatch_metrics, truncated_importance_weights
+
+ROLLOUT_BR = torch.tensor([[-1.0, -2.0, -0.5], [-0.7, -3.0, 0.0]])
+DIFFS = [[0.1, -0.2, 1.5], [0.05, 40.0, 0.0]]  # train - rollout; [1, 1] and [1, 2] are padding
+MASK_BR = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+TRAIN_BR = ROLLOUT_BR + torch.tensor(DIFFS)
+
+
+def test_truncated_importance_weights_by_hand():
+    train_BR = TRAIN_BR.clone().requires_grad_()
+    weights_BR = truncated_importance_weights(train_BR, ROLLOUT_BR, MASK_BR, cap=2.0)
+    expected = torch.tensor([[math.exp(0.1), math.exp(-0.2), 2.0], [math.exp(0.05), 0.0, 0.0]])
+    torch.testing.assert_close(weights_BR, expected)
+    assert not weights_BR.requires_grad
+
+
+def test_rollout_mismatch_metrics_by_hand():
+    metrics = rollout_mismatch_metrics(TRAIN_BR, ROLLOUT_BR, MASK_BR)
+    valid = [0.1, -0.2, 1.5, 0.05]
+    assert metrics["mismatch/logprob_abs_diff_mean"] == pytest.approx(sum(map(abs, valid)) / 4, rel=1e-5)
+    assert metrics["mismatch/logprob_abs_diff_max"] == pytest.approx(1.5, rel=1e-5)
+    # KL(rollout || train) with k3: r = pi_train / pi_rollout = exp(d), k3 = r - 1 - log r.
+    kl = sum(math.exp(d) - 1 - d for d in valid) / 4
+    assert metrics["mismatch/kl"] == pytest.approx(kl, rel=1e-4)
+    assert all(isinstance(value, float) for value in metrics.values())

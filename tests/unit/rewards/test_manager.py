@@ -1,0 +1,102 @@
+"""RewardManager: failures and timeouts score 0 and are counted; token_level_scores placement."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+import torch
+
+from megarl.rewards import RewardManager, ScoringItem, compute_score, token_level_scores
+
+
+def items(*solutions, data_source="arithmetic", ground_truth="5"):
+    return [ScoringItem(data_source, solution, ground_truth, None) for solution in solutions]
+
+
+def test_rule_scorers_through_manager():
+    result = RewardManager(compute_score).score(items("5", "6", "x 5"))
+    assert result.scores == [1.0, 0.0, 1.0]
+    assert (result.num_errors, result.num_timeouts, result.first_error, result.extra) == (0, 0, None, {})
+
+
+def test_math_verify_runs_in_the_worker_thread():
+    # math-verify's own signal-based timeouts would fail outside the main thread: they must be off.
+    result = RewardManager(compute_score).score(items("$\\boxed{\\frac{1}{2}}$", "$3$", data_source="math",
+                                                      ground_truth="0.5"))
+    assert result.scores == [1.0, 0.0] and result.num_errors == 0
+
+
+def test_raising_scorer_scores_zero_and_is_counted():
+    def scorer(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str == "boom":
+            raise KeyError("missing\nthing")
+        return 1.0
+
+    result = RewardManager(scorer).score(items("a", "boom", "b", "boom"))
+    assert result.scores == [1.0, 0.0, 1.0, 0.0]
+    assert (result.num_errors, result.num_timeouts) == (2, 0)
+    assert result.first_error.startswith("item 1 (data_source 'arithmetic'): KeyError")
+    assert "\n" not in result.first_error
+
+
+def test_slow_scorer_times_out_and_the_run_goes_on():
+    release = threading.Event()
+
+    def scorer(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str == "slow":
+            release.wait(5.0)  # stands for a scorer stuck in a pathological case
+        return 1.0
+
+    start = time.monotonic()
+    result = RewardManager(scorer, timeout_seconds=0.2).score(items("fast", "slow", "fast"))
+    elapsed = time.monotonic() - start
+    release.set()  # let the abandoned thread finish
+    assert result.scores == [1.0, 0.0, 1.0]
+    assert (result.num_errors, result.num_timeouts) == (0, 1)
+    assert "item 1" in result.first_error and "timed out" in result.first_error
+    assert 0.2 <= elapsed < 2.0
+
+
+def test_dict_returns_give_aligned_extras():
+    def scorer(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str == "plain":
+            return 0.5
+        return {"score": 1, "acc": True, "length": len(solution_str), "pred": solution_str}
+
+    result = RewardManager(scorer).score(items("ab", "plain", "abcd"))
+    assert result.scores == [1.0, 0.5, 1.0]
+    assert sorted(result.extra) == ["acc", "length"]
+    assert result.extra["length"][0] == 2.0 and result.extra["length"][2] == 4.0
+    assert math.isnan(result.extra["length"][1]) and math.isnan(result.extra["acc"][1])
+
+
+@pytest.mark.parametrize("returned, message", [
+    ({"acc": 1.0}, "needs a 'score' key"),
+    ("1.0", "finite number"),
+    (float("nan"), "finite number"),
+    (None, "finite number"),
+])
+def test_invalid_returns_are_errors(returned, message):
+    result = RewardManager(lambda *args: returned).score(items("x"))
+    assert result.scores == [0.0] and result.num_errors == 1 and message in result.first_error
+
+
+def test_token_level_scores():
+    rewards_BR = token_level_scores([1.0, -0.5, 2.0], [3, 1, 4])
+    expected = torch.zeros(3, 4)
+    expected[0, 2], expected[1, 0], expected[2, 3] = 1.0, -0.5, 2.0
+    assert rewards_BR.dtype == torch.float32
+    torch.testing.assert_close(rewards_BR, expected, rtol=0, atol=0)
+    assert token_level_scores([1.0], [2], max_response_length=5).shape == (1, 5)
+
+
+def test_token_level_scores_rejects_bad_lengths():
+    with pytest.raises(ValueError, match="response 1 has length 0"):
+        token_level_scores([1.0, 1.0], [2, 0])
+    with pytest.raises(ValueError, match="2 scores for 1 responses"):
+        token_level_scores([1.0, 1.0], [2])
+    with pytest.raises(ValueError, match="length 6; expected 1..5"):
+        token_level_scores([1.0], [6], max_response_length=5)
