@@ -4,14 +4,18 @@ VENV := .venv
 PYTHON := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 OUT := outputs/quickstart
+TORCHRUN := $(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=2
 export OMP_NUM_THREADS := 1
 
 .PHONY: quickstart test install clean
 
+# The main job on the embedded default: a tiny Qwen2 and its tokenizer made here, synthetic "a+b="
+# tasks, a short SFT warm start, then GRPO on 2 CPU processes (curves in $(OUT)/quickstart_grpo).
 quickstart: $(INSTALLED)
-	$(PYTHON) checkpoints_tools/make_tiny_model.py --family qwen2 --out $(OUT)/model
-	$(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=2 \
-		checkpoints_tools/compare_logits.py --hf $(OUT)/model --tp 2
+	$(PYTHON) checkpoints_tools/make_tiny_model.py --family qwen2 --out $(OUT)/base
+	$(PYTHON) -m megarl.data.synthetic --task arithmetic --out-dir $(OUT)/data --num-train 20000 --num-test 500 --seed 0
+	$(TORCHRUN) launchers/train_sft.py --config configs/quickstart_sft.yaml
+	$(TORCHRUN) launchers/train_ppo.py --config configs/quickstart.yaml
 
 test: $(INSTALLED)
 	$(PYTHON) -m pytest

@@ -6,6 +6,7 @@ float 0/1 `mask_BR`. Nothing here knows about process groups or configs.
 
 from megarl.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
+    NEEDS_GREEDY_BASELINE,
     AdvantageInputs,
     group_ids_from_index,
     masked_whiten,
@@ -26,6 +27,7 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
+    "NEEDS_GREEDY_BASELINE",
     "POLICY_LOSSES",
     "AdaptiveKLController",
     "AdvantageInputs",

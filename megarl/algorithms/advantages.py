@@ -36,6 +36,10 @@ from megarl.registry import Registry
 
 WHITEN_EPS = 1e-8
 
+# Estimators whose inputs include the reward of a greedy response per prompt (baseline_rewards_B):
+# the trainer generates it for these.
+NEEDS_GREEDY_BASELINE = frozenset({"remax"})
+
 
 @dataclass
 class AdvantageInputs:

@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
-CONSOLE_KEYS = ("reward/mean", "val/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy",
+CONSOLE_KEYS = ("sft/nll", "reward/mean", "val/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy",
                 "response_length/mean", "mismatch/logprob_abs_diff_max", "timing/step", "throughput/tokens_per_s")
 
 

@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 from megarl.algorithms import (
     ADVANTAGE_ESTIMATORS,
     KL_ESTIMATORS,
+    NEEDS_GREEDY_BASELINE,
     AdaptiveKLController,
     AdvantageInputs,
     FixedKLController,
@@ -139,6 +140,8 @@ class RLTrainer:
             sync = self.sync.sync(step)
         with timer("rollout"):
             rollouts, rounds = self._generate_training_rollouts(step)
+            baseline_B = (self._greedy_baseline(rollouts, step)
+                          if self.config.algorithm.adv_estimator in NEEDS_GREEDY_BASELINE else None)
         self.rollout.sleep()
         batch = rollouts.to_batch(self.pad_token_id)
         self._check(batch, "rollout", ("rollout_logprobs",))
@@ -155,7 +158,7 @@ class RLTrainer:
                 scores = scores + self._reward_model_scores(batch)
         self._check(batch, "score", ("old_logprobs",))
         with timer("advantage"):
-            advantage_metrics = self._advantages(batch, rollouts, scores)
+            advantage_metrics = self._advantages(batch, rollouts, scores, baseline_B)
         self._check(batch, "advantage", ("advantages", "returns"))
         with timer("update_actor"):
             actor_history = self.actor.update(batch, actor_loss(self.config.actor, self.config.data.max_response_length),
@@ -193,12 +196,23 @@ class RLTrainer:
             kept = kept.select([i for i, g in enumerate(kept.group_ids) if g in set(groups)])
         return kept, rounds
 
+    def _greedy_baseline(self, rollouts: Rollouts, step: int) -> torch.Tensor:
+        """ReMax's baseline: the reward of a greedy response to each sequence's prompt."""
+        groups = sorted(set(rollouts.group_ids))
+        prompts = [rollouts.prompts[rollouts.group_ids.index(g)] for g in groups]
+        greedy = dataclasses.replace(self._sampling(step, validation=False), n=1, temperature=0.0)
+        scores = collect_rollouts(prompts, self.rollout, greedy, self.config.rollout.tp, self.tokenizer,
+                                  self.rewards).scores
+        by_group = dict(zip(groups, scores))
+        return torch.tensor([by_group[g] for g in rollouts.group_ids])
+
     def _reward_model_scores(self, batch) -> torch.Tensor:
         values_BR = self.reward_model.score(batch)["values"]
         last = (batch.response_lengths_B - 1).clamp(min=0)
         return values_BR.gather(1, last[:, None]).squeeze(1)
 
-    def _advantages(self, batch, rollouts: Rollouts, scores: torch.Tensor) -> dict[str, float]:
+    def _advantages(self, batch, rollouts: Rollouts, scores: torch.Tensor,
+                    baseline_B: torch.Tensor | None) -> dict[str, float]:
         algorithm, tensors = self.config.algorithm, batch.response_tensors
         mask_BR = batch.response_mask_BR
         if algorithm.overlong_buffer_length:
@@ -213,7 +227,7 @@ class RLTrainer:
             metrics.update({"actor/reward_kl": kl, "actor/reward_kl_coef": self.kl_ctrl.value})
         advantages_BR, returns_BR = self.estimator(AdvantageInputs(
             token_rewards_BR=token_rewards_BR, mask_BR=mask_BR, group_ids_B=torch.tensor(rollouts.group_ids),
-            values_BR=tensors.get("values"), baseline_rewards_B=None, gamma=algorithm.gamma, lam=algorithm.lam,
+            values_BR=tensors.get("values"), baseline_rewards_B=baseline_B, gamma=algorithm.gamma, lam=algorithm.lam,
             norm_by_std=algorithm.norm_adv_by_std,
         ))
         tensors["advantages"], tensors["returns"] = advantages_BR * mask_BR, returns_BR * mask_BR
