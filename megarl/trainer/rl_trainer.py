@@ -19,7 +19,6 @@ from transformers import AutoTokenizer
 
 from megarl.algorithms import (
     ADVANTAGE_ESTIMATORS,
-    KL_ESTIMATORS,
     NEEDS_GREEDY_BASELINE,
     AdaptiveKLController,
     AdvantageInputs,
@@ -60,7 +59,6 @@ class RLTrainer:
         self.sampler = ResumableSampler(len(self.train_data), data.train_batch_size, config.trainer.seed,
                                         shuffle=data.shuffle)
         self.estimator = ADVANTAGE_ESTIMATORS.get(config.algorithm.adv_estimator)
-        self.kl_penalty = KL_ESTIMATORS.get(config.algorithm.kl_penalty)
         self.actor = self._engine(config.actor, trainable=True)
         uses_reference = config.actor.use_kl_loss or config.algorithm.use_kl_in_reward
         self.reference = self._engine(config.actor, trainable=False) if uses_reference else None
@@ -222,7 +220,7 @@ class RLTrainer:
         metrics = {}
         if algorithm.use_kl_in_reward:
             token_rewards_BR, kl = kl_penalty_rewards(token_rewards_BR, tensors["old_logprobs"], tensors["ref_logprobs"],
-                                                      mask_BR, self.kl_ctrl.value, self.kl_penalty)
+                                                      mask_BR, self.kl_ctrl.value, algorithm.kl_penalty)
             self.kl_ctrl.update(kl, len(batch))
             metrics.update({"actor/reward_kl": kl, "actor/reward_kl_coef": self.kl_ctrl.value})
         advantages_BR, returns_BR = self.estimator(AdvantageInputs(

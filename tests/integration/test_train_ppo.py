@@ -47,16 +47,19 @@ def test_ppo_with_critic_runs_three_steps_and_logs_to_mlflow(tiny_models, arithm
 
 
 def test_grpo_variants_at_dp2(tiny_models, arithmetic, tmp_path):
-    # KL loss, truncated IS, DAPO group filtering and overlong shaping, and a Megatron reward model.
+    # KL loss, truncated IS, DAPO group filtering and overlong shaping, a Megatron reward model added
+    # to a user reward function loaded by path.
     result = torchrun(2, ROOT / "launchers/train_ppo.py", "--config", "configs/quickstart.yaml",
                       *_overrides(tiny_models["qwen3-tied"], arithmetic, tmp_path, "actor.use_kl_loss=true",
                                   "actor.loss_agg_mode=seq-mean-token-mean", "actor.tis_cap=2.0",
                                   "actor.clip_ratio_high=0.28", "algorithm.filter_groups=true",
                                   "algorithm.overlong_buffer_length=2",
-                                  f"reward.reward_model_path={tiny_models['qwen2-value']}"), timeout=600)
+                                  f"reward.reward_model_path={tiny_models['qwen2-value']}",
+                                  f"reward.custom_function_path={ROOT / 'tests/integration/user_reward.py'}"),
+                      timeout=600)
     assert_succeeded(result)
     run_dir = tmp_path / "quickstart_grpo"
-    for metric in ("actor/kl_loss", "mismatch/kl", "rollout/filter_rounds", "actor/grad_norm"):
+    for metric in ("actor/kl_loss", "mismatch/kl", "rollout/filter_rounds", "actor/grad_norm", "reward/length"):
         assert _logged(run_dir, "quickstart_grpo", metric) == [1, 2, 3], metric
 
 
