@@ -23,6 +23,8 @@ setup(
         "tokenizers",
         "safetensors",
         "pyarrow>=25,<26",
+        "math-verify==0.9.0",
+        "matplotlib",
     ],
     extras_require={
         # vLLM's CPU build: the colocated rollout engine on machines without CUDA.
