@@ -18,6 +18,7 @@ quickstart: $(INSTALLED)
 	$(TORCHRUN) launchers/train_ppo.py --config configs/quickstart.yaml
 
 test: $(INSTALLED)
+	$(PYTHON) -m megarl.doctor --require core
 	$(PYTHON) -m pytest
 
 install: $(INSTALLED)

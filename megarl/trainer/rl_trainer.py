@@ -187,11 +187,11 @@ class RLTrainer:
             kept.extend(fresh)
             rounds += 1
         if algorithm.filter_groups:
-            groups = sorted(set(kept.group_ids))[:wanted] or sorted(set(kept.group_ids))
-            if not groups:
+            if not kept.group_ids:
                 raise RuntimeError(f"step {step}: every group had equal rewards in {rounds} rounds; "
                                    "raise algorithm.max_filter_rounds or disable algorithm.filter_groups")
-            kept = kept.select([i for i, g in enumerate(kept.group_ids) if g in set(groups)])
+            keep = set(sorted(set(kept.group_ids))[:wanted])
+            kept = kept.select([i for i, g in enumerate(kept.group_ids) if g in keep])
         return kept, rounds
 
     def _greedy_baseline(self, rollouts: Rollouts, step: int) -> torch.Tensor:

@@ -39,7 +39,7 @@ class SFTTrainer:
                                         shuffle=config.data.shuffle)
         self.engine = MegatronEngine(self.layout, config.model, config.actor,
                                      total_optimizer_steps=config.trainer.total_steps)
-        self.tracker = Tracker([name for name in config.trainer.loggers], self.run_dir,
+        self.tracker = Tracker(config.trainer.loggers, self.run_dir,
                                config.trainer.experiment_name, config.trainer.mlflow_tracking_uri, config,
                                is_writer=self.layout.rank == 0)
 
