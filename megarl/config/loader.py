@@ -17,7 +17,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, ValidationError
 
-from megarl.config.schema import DTYPES, LAYER_SPECS, LR_DECAY_STYLES, OPTIMIZERS, RunConfig
+from megarl.config.schema import DTYPES, LAYER_SPECS, LR_DECAY_STYLES, OPTIMIZERS, RESUME_MODES, RunConfig
 
 
 class ConfigError(ValueError):
@@ -73,6 +73,9 @@ def validate(config: RunConfig) -> None:
     _check_choice("actor.optim.lr_decay_style", actor.optim.lr_decay_style, LR_DECAY_STYLES)
     _check_at_least("actor.optim.lr_warmup_steps", actor.optim.lr_warmup_steps, 0)
     _check_at_least("trainer.total_steps", config.trainer.total_steps, 1)
+    _check_choice("trainer.resume_mode", config.trainer.resume_mode, RESUME_MODES)
+    if config.trainer.resume_mode == "path" and not config.trainer.resume_path:
+        raise ConfigError("config key 'trainer.resume_path' is required when trainer.resume_mode=path")
 
 
 def validate_layout(config: RunConfig, world_size: int) -> None:

@@ -15,6 +15,7 @@ LAYER_SPECS = ("auto", "local", "transformer_engine")
 OPTIMIZERS = ("adam", "sgd")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 KL_CONTROLLERS = ("fixed", "adaptive")
+RESUME_MODES = ("auto", "disable", "path")
 LOGGERS = ("console", "mlflow")
 
 
@@ -336,6 +337,21 @@ class TrainerConfig:
     check_batches: bool = False
     """Validate the batch contract between phases (shapes, dtypes, masks), failing with the phase
     and field."""
+
+    save_freq: int = 0
+    """Save a checkpoint every this many steps and at the last step (0: never)."""
+
+    checkpoint_dir: str = "checkpoints"
+    """Checkpoints go to <checkpoint_dir>/<experiment_name>/global_step_N."""
+
+    resume_mode: str = "auto"
+    """One of RESUME_MODES: auto (the newest complete checkpoint, if any), disable, path."""
+
+    resume_path: str = ""
+    """The global_step_N directory to resume from when resume_mode is path."""
+
+    max_ckpt_to_keep: int = 0
+    """Keep only this many newest complete checkpoints (0: keep all)."""
 
 
 @dataclass

@@ -7,7 +7,8 @@ one out and watch the megatron code path it guards fail:
 1. `current_device`: `torch.cuda.current_device()` used as the device of buffers (the global
    memory buffer of local attention, DDP buffers, pipeline p2p shape tensors).
 2. `rng_tracker`: the tensor-parallel RNG tracker reads and writes the CUDA generator.
-3. `synchronize`: `torch.cuda.synchronize()` after pipeline p2p communication.
+3. `synchronize`: `torch.cuda.synchronize()` after pipeline p2p communication and before
+   dist_checkpointing's writers copy tensors.
 4. `tensor_cuda`: `Tensor.cuda()` when tied embeddings are synchronised across pipeline stages.
 5. `cuda_factories`: `device="cuda"` tensor factories in the schedules, optimizer, grad clipping
    and the grad-norm helper.
@@ -42,6 +43,8 @@ _MEGATRON_ENTRY_POINTS = (
     "megatron.core.distributed",
     "megatron.core.optimizer",
     "megatron.core.dist_checkpointing",
+    "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
 )
 
 

@@ -28,20 +28,23 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
 
 class Tracker:
     def __init__(self, loggers: list[str], run_dir: Path, experiment_name: str, tracking_uri: str, config,
-                 is_writer: bool):
+                 is_writer: bool, run_id: str | None = None):
+        """`run_id` continues an earlier mlflow run (a resumed job logs into the same run)."""
         self.loggers = set(loggers) if is_writer else set()
         self.history: dict[str, list[tuple[int, float]]] = {}
         self.run_dir = run_dir
         self._mlflow = None
+        self.run_id = None
         if "mlflow" in self.loggers:
             import mlflow
 
             run_dir.mkdir(parents=True, exist_ok=True)
             mlflow.set_tracking_uri(tracking_uri or f"sqlite:///{run_dir.resolve()}/mlflow.db")
             mlflow.set_experiment(experiment_name)
-            mlflow.start_run()
-            params = flatten(asdict(config) if is_dataclass(config) else dict(config))
-            mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
+            self.run_id = mlflow.start_run(run_id=run_id).info.run_id
+            if run_id is None:
+                params = flatten(asdict(config) if is_dataclass(config) else dict(config))
+                mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
             self._mlflow = mlflow
 
     def log(self, metrics: dict[str, float], step: int) -> None:

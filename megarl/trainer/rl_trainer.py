@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from statistics import mean
 
 import torch
@@ -28,7 +29,8 @@ from megarl.algorithms import (
     overlong_penalty,
     rollout_mismatch_metrics,
 )
-from megarl.config.schema import EngineConfig, ModelConfig, RunConfig
+from megarl.checkpoint import Checkpointer
+from megarl.config.schema import EngineConfig
 from megarl.data.dataset import PromptDataset
 from megarl.data.sampler import ResumableSampler
 from megarl.engine.megatron_engine import MegatronEngine
@@ -58,6 +60,10 @@ class RLTrainer:
                                        data.apply_chat_template) if data.val_files else None)
         self.sampler = ResumableSampler(len(self.train_data), data.train_batch_size, config.trainer.seed,
                                         shuffle=data.shuffle)
+        trainer = config.trainer
+        self.checkpointer = Checkpointer(Path(trainer.checkpoint_dir) / trainer.experiment_name, config.model.path,
+                                         self.run_dir / "config.yaml", trainer.max_ckpt_to_keep)
+        resume_from = self.checkpointer.find(trainer.resume_mode, trainer.resume_path)
         self.estimator = ADVANTAGE_ESTIMATORS.get(config.algorithm.adv_estimator)
         self.actor = self._engine(config.actor, trainable=True)
         uses_reference = config.actor.use_kl_loss or config.algorithm.use_kl_in_reward
@@ -77,10 +83,21 @@ class RLTrainer:
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = (AdaptiveKLController(kl.coef, kl.target_kl, kl.horizon) if kl.type == "adaptive"
                         else FixedKLController(kl.coef))
-        self.tracker = Tracker(config.trainer.loggers, self.run_dir, config.trainer.experiment_name,
-                               config.trainer.mlflow_tracking_uri, config, is_writer=self.layout.rank == 0)
+        self.start_step, run_id = 1, None
+        if resume_from is not None:
+            state = self.checkpointer.load(resume_from, self._trainable())
+            self.sampler.load_state_dict(state["sampler"])
+            self.kl_ctrl.value = state["kl_coef"]
+            self.start_step, run_id = state["step"] + 1, state["mlflow_run_id"]
+            if self.layout.rank == 0:
+                print(f"resumed from {resume_from} (step {state['step']})", flush=True)
+        self.tracker = Tracker(trainer.loggers, self.run_dir, trainer.experiment_name, trainer.mlflow_tracking_uri,
+                               config, is_writer=self.layout.rank == 0, run_id=run_id)
 
     # ---- set-up -----------------------------------------------------------------------------------
+
+    def _trainable(self) -> dict[str, MegatronEngine]:
+        return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
 
     def _optimizer_steps(self, engine_config: EngineConfig) -> int:
         per_step = math.ceil(self.config.data.train_batch_size / engine_config.ppo_mini_batch_size)
@@ -116,15 +133,19 @@ class RLTrainer:
     def fit(self) -> dict[str, float]:
         trainer = self.config.trainer
         last = {}
-        if self.val_data is not None and trainer.val_before_train:
+        if self.val_data is not None and trainer.val_before_train and self.start_step == 1:
             self.sync.sync(step=0)
             self.tracker.log(self.validate(), step=0)
-        for step in range(1, trainer.total_steps + 1):
+        for step in range(self.start_step, trainer.total_steps + 1):
             last = self.step(step)
             if self.val_data is not None and (step == trainer.total_steps or
                                               (trainer.test_freq and step % trainer.test_freq == 0)):
                 last.update(self.validate())
             self.tracker.log(last, step)
+            if trainer.save_freq and (step % trainer.save_freq == 0 or step == trainer.total_steps):
+                self.checkpointer.save(step, self._trainable(), {
+                    "sampler": self.sampler.state_dict(), "kl_coef": self.kl_ctrl.value,
+                    "mlflow_run_id": self.tracker.run_id})
         if self.layout.rank == 0:
             self.tracker.log_artifact(plot_curves(self.tracker.history, self.run_dir / "curves.png"))
             self.tracker.log_artifact(self.run_dir / "config.yaml")

@@ -1,0 +1,99 @@
+"""Score a generations file with the reward scorers; print mean@k and pass@k per data source.
+
+    python launchers/evaluate.py generations.jsonl [--reward-function my_reward.py:compute_score] [--json out.json]
+
+Reads the rows `launchers/generate.py` writes (.jsonl or .parquet: data_source, response,
+ground_truth, index, extra_info) and scores every response again, so a file can be re-scored
+with another function. k is the number of responses per prompt. The metrics are the trainer's
+validation metrics (`validation_metrics`), per data source and over all rows:
+mean@k = mean score over all k responses of all prompts; pass@k = fraction of prompts with at
+least one response scoring >= 1. Pure Python: no torchrun, no model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+
+from megarl.data.dataset import Prompt, read_records
+from megarl.rewards import RewardManager, ScoringItem, compute_score, load_function
+from megarl.trainer.rollouts import Rollouts
+from megarl.trainer.validation import validation_metrics
+
+REQUIRED = ("data_source", "response", "ground_truth", "index")
+
+
+def scoring_function(spec: str):
+    """`path/to/file.py:function` or `pkg.module:function` (function defaults to compute_score); empty:
+    the rule scorers by data_source. Shared with launchers/generate.py."""
+    if not spec:
+        return compute_score
+    path, _, name = spec.rpartition(":") if ":" in spec else (spec, "", "compute_score")
+    return load_function(path, name)
+
+
+def load_rollouts(path: str, reward_function: str, timeout_seconds: float) -> tuple[Rollouts, int]:
+    """The file's responses re-scored, grouped by prompt index; and k, the responses per prompt."""
+    rows = read_records(path)
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    for number, row in enumerate(rows):
+        missing = [column for column in REQUIRED if column not in row]
+        if missing:
+            raise ValueError(f"{path}: row {number} lacks {', '.join(missing)} (write it with launchers/generate.py)")
+    rows.sort(key=lambda row: (row["index"], row.get("sample", 0)))
+    prompts = [Prompt([], row["data_source"], row["ground_truth"], row.get("extra_info") or {}, row["index"])
+               for row in rows]
+    result = RewardManager(scoring_function(reward_function), timeout_seconds).score(
+        [ScoringItem(p.data_source, row["response"], p.ground_truth, p.extra_info) for p, row in zip(prompts, rows)])
+    counts = Counter(p.index for p in prompts)
+    if len(set(counts.values())) != 1:
+        raise ValueError(f"{path}: prompts have different numbers of responses ({sorted(set(counts.values()))})")
+    rollouts = Rollouts(prompts=prompts, group_ids=[p.index for p in prompts], scores=result.scores)
+    return rollouts, next(iter(counts.values()))
+
+
+def evaluate(rollouts: Rollouts, k: int) -> dict[str, dict[str, float]]:
+    """{data source or "all": {"prompts", "mean@k", "pass@k"}}."""
+    sources = sorted({p.data_source for p in rollouts.prompts})
+    subsets = {s: [i for i, p in enumerate(rollouts.prompts) if p.data_source == s] for s in sources}
+    subsets["all"] = list(range(len(rollouts.prompts)))
+    table = {}
+    for name, indices in subsets.items():
+        subset = Rollouts(prompts=[rollouts.prompts[i] for i in indices],
+                          group_ids=[rollouts.group_ids[i] for i in indices],
+                          scores=[rollouts.scores[i] for i in indices])
+        solved = {group: False for group in subset.group_ids}
+        for group, score in zip(subset.group_ids, subset.scores):  # validation_metrics' pass@k, also for k = 1
+            solved[group] |= score >= 1.0
+        table[name] = {"prompts": len(solved), f"mean@{k}": validation_metrics(subset, k)["val/score/mean"],
+                       f"pass@{k}": sum(solved.values()) / len(solved)}
+    return table
+
+
+def main(argv: list[str]) -> dict[str, dict[str, float]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("generations", help="a .jsonl or .parquet file written by launchers/generate.py")
+    parser.add_argument("--reward-function", default="", help="FILE.py[:NAME] or MODULE[:NAME]; default: the "
+                        "rule scorers by data_source")
+    parser.add_argument("--timeout-seconds", type=float, default=10.0, help="a slower scorer call scores 0")
+    parser.add_argument("--json", help="also write the table to this JSON file")
+    args = parser.parse_args(argv)
+    rollouts, k = load_rollouts(args.generations, args.reward_function, args.timeout_seconds)
+    table = evaluate(rollouts, k)
+    print(f"{'data_source':<32}{'prompts':>8}{f'mean@{k}':>10}{f'pass@{k}':>10}")
+    for name, row in table.items():
+        print(f"{name:<32}{row['prompts']:>8}{row[f'mean@{k}']:>10.4f}{row[f'pass@{k}']:>10.4f}")
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(table, file, indent=1)
+    return table
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except ValueError as error:
+        sys.exit(f"megarl: {error}")

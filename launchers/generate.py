@@ -1,0 +1,112 @@
+"""Generate n responses per prompt of a parquet file with the training rollout engine, and score them.
+
+    torchrun --nproc_per_node=N launchers/generate.py --model HF_DIR --data test.parquet \
+        --output generations.jsonl [-n 4 --temperature 1.0 --backend vllm --engine-tp 1]
+
+The prompts are read and tokenized as in training (`PromptDataset`: common parquet layout, chat
+template, prompts over --max-prompt-length dropped). Each engine replica (--engine-tp consecutive
+ranks) generates for its share of the prompts and `collect_rollouts` gathers and scores the
+responses, exactly as the trainer's validation does; rank 0 writes one row per response
+(.jsonl or .parquet). The defaults (greedy, one sample, seed 1) are the trainer's validation
+defaults, so `launchers/evaluate.py` on the output reproduces `val/score/mean` for the same model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+from transformers import AutoTokenizer
+
+from megarl.data.dataset import PromptDataset, load_rows, write_rows
+from megarl.distributed.launch import init_process_group
+from megarl.doctor import require
+from megarl.rewards import RewardManager
+from megarl.rollout import ROLLOUT_BACKENDS, Sampling
+from megarl.trainer.rollouts import Rollouts, collect_rollouts
+
+from evaluate import scoring_function  # launchers/evaluate.py: this folder is first on sys.path
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="HuggingFace model directory (a megarl checkpoint as "
+                        "input comes with the checkpoint tools: convert it to HF first)")
+    parser.add_argument("--data", required=True, nargs="+", help="parquet file(s) of prompts in the common layout")
+    parser.add_argument("--output", required=True, help="generations file: .jsonl or .parquet")
+    # Not "--n": torchrun reads it as an abbreviation of its own --nnodes/--nproc-per-node.
+    parser.add_argument("-n", "--num-samples", type=int, default=1, help="responses per prompt")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1, help="-1 disables")
+    parser.add_argument("--max-response-length", type=int, default=64)
+    parser.add_argument("--max-prompt-length", type=int, default=128, help="longer prompts are dropped")
+    parser.add_argument("--max-samples", type=int, default=0, help="use the first this-many prompts (0: all)")
+    parser.add_argument("--apply-chat-template", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--backend", default="vllm", choices=ROLLOUT_BACKENDS.names())
+    parser.add_argument("--engine-tp", type=int, default=1, help="tensor-parallel size of each engine replica")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--kv-cache-mib", type=int, default=64, help="KV cache of each engine on CPU")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--reward-function", default="", help="FILE.py[:NAME] or MODULE[:NAME]; default: the "
+                        "rule scorers by data_source")
+    args = parser.parse_args(argv)
+    if Path(args.output).suffix not in (".jsonl", ".parquet"):
+        parser.error(f"--output {args.output}: expected a .jsonl or .parquet file")
+    return args
+
+
+def output_rows(rollouts: Rollouts, n: int, raw_rows: list[dict], tokenizer) -> list[dict]:
+    """One row per response; rollouts are prompt-major (sample j of prompt i at i * n + j)."""
+    responses = tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True)
+    return [{"data_source": prompt.data_source, "prompt": raw_rows[prompt.index]["prompt"], "response": response,
+             "ground_truth": prompt.ground_truth, "score": score, "index": prompt.index, "sample": i % n,
+             "finish_reason": reason, "extra_info": prompt.extra_info}
+            for i, (prompt, response, score, reason) in enumerate(zip(rollouts.prompts, responses, rollouts.scores,
+                                                                      rollouts.finish_reasons))]
+
+
+def write_generations(rows: list[dict], path: Path) -> None:
+    if path.suffix == ".parquet":
+        write_rows(rows, path)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as file:
+        file.writelines(json.dumps(row) + "\n" for row in rows)
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    try:
+        require(["core", "vllm"] if args.backend == "vllm" else ["core"])
+    except RuntimeError as error:  # a missing package: one line with the fix
+        sys.exit(str(error))
+    init_process_group()
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    dataset = PromptDataset(args.data, tokenizer, args.max_prompt_length, args.apply_chat_template)
+    prompts = dataset.prompts[: args.max_samples or None]
+    engine = ROLLOUT_BACKENDS.get(args.backend)(
+        args.model, dtype=args.dtype, tensor_parallel_size=args.engine_tp,
+        max_model_len=args.max_prompt_length + args.max_response_length, kv_cache_bytes=args.kv_cache_mib << 20,
+        gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed)
+    stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+    sampling = Sampling(n=args.num_samples, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                        max_tokens=args.max_response_length, stop_token_ids=stop, seed=args.seed)
+    rewards = RewardManager(scoring_function(args.reward_function))
+    rollouts = collect_rollouts(prompts, engine, sampling, args.engine_tp, tokenizer, rewards)
+    if dist.get_rank() == 0:
+        write_generations(output_rows(rollouts, args.num_samples, load_rows(args.data), tokenizer), Path(args.output))
+        mean = sum(rollouts.scores) / len(rollouts.scores)
+        print(f"wrote {len(rollouts)} responses to {len(prompts)} prompts to {args.output}; mean score {mean:.4f}")
+    engine.shutdown()  # not torn down further: vLLM's teardown would destroy the process group
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except ValueError as error:  # data and reward-function errors: one line naming the file
+        sys.exit(f"megarl: {error}")

@@ -1,0 +1,142 @@
+"""Saving and resuming a run: models and optimizers sharded, everything else small and plain.
+
+    global_step_N/
+      actor/, critic/         megatron-core dist checkpoints (model + optimizer): layout-independent,
+                              so a run saved at TP2xPP1 resumes at TP1xPP2
+      trainer_state.json      step, sampler position, LR schedulers, KL coefficient, mlflow run id
+      rng/rank_<r>.pt         every rank's RNG states (tensors and ints; loaded with weights_only)
+      hf/                     the model's config.json and tokenizer, for the conversion tools
+      manifest.json           written last (see `directory`)
+
+Every rank writes its own shards; rank 0 writes the small files and publishes the checkpoint with
+one atomic rename once all ranks are done. Distributed-optimizer state uses megatron's
+`dp_reshardable` format (reshardable over DP only); without it, optimizer state reshards freely.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+from megarl.checkpoint.directory import (
+    CheckpointError,
+    complete_checkpoints,
+    partial_dir,
+    problem_with,
+    publish,
+    remove_oldest,
+    write_manifest,
+)
+from megarl.models.hf_interop import TOKENIZER_FILES
+
+OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def sharded_state(engine, is_loading: bool) -> dict:
+    model = engine.module.sharded_state_dict()
+    state = {"model": model}
+    if engine.optimizer is not None:
+        state["optimizer"] = engine.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=OPTIMIZER_FORMAT)
+    return state
+
+
+def initialize_optimizer_state(optimizer) -> None:
+    """Create (zero) Adam state before loading into it: the optimizer only creates state at its first
+    step, and without Apex/TE megatron's distributed optimizer also needs each state's `step`."""
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if chained.init_state_fn is not None:
+            chained.init_state_fn(chained.optimizer, chained.config)
+        for state in chained.optimizer.state.values():
+            state.setdefault("step", torch.tensor(0.0))
+
+
+def rng_state() -> dict:
+    python = random.getstate()
+    numpy = np.random.get_state()
+    return {
+        "python": (python[0], list(python[1]), python[2]),
+        "numpy": (numpy[0], torch.from_numpy(numpy[1].astype(np.int64)), numpy[2], numpy[3], numpy[4]),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, position, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+class Checkpointer:
+    def __init__(self, root: Path, hf_source: str, config_file: Path, max_to_keep: int):
+        self.root, self.hf_source, self.config_file, self.max_to_keep = root, Path(hf_source), config_file, max_to_keep
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def find(self, mode: str, path: str) -> Path | None:
+        """The checkpoint to resume from: the newest complete one (auto), none, or `path`."""
+        if mode == "disable":
+            return None
+        if mode == "path":
+            target = Path(path)
+            problem = problem_with(target) if target.is_dir() else "no such directory"
+            if problem:
+                raise CheckpointError(f"trainer.resume_path={path}: not a usable checkpoint: {problem}")
+            return target
+        complete = complete_checkpoints(self.root) if self.root.is_dir() else []
+        return complete[-1] if complete else None
+
+    def save(self, step: int, engines: dict, trainer_state: dict) -> Path:
+        """Collective: every rank saves its shards; returns the published directory."""
+        staging = partial_dir(self.root, step)
+        if self.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            for sub in (*engines, "rng", "hf"):
+                (staging / sub).mkdir(parents=True)
+        dist.barrier()
+        for name, engine in engines.items():
+            dist_checkpointing.save(sharded_state(engine, is_loading=False), str(staging / name))
+        torch.save(rng_state(), staging / "rng" / f"rank_{self.rank}.pt")
+        dist.barrier()
+        if self.rank == 0:
+            state = dict(trainer_state, step=step, world_size=self.world_size,
+                         schedulers={n: e.scheduler.state_dict() for n, e in engines.items()})
+            (staging / "trainer_state.json").write_text(json.dumps(state, indent=1))
+            for name in ("config.json", *TOKENIZER_FILES):
+                if (self.hf_source / name).is_file():
+                    shutil.copy(self.hf_source / name, staging / "hf")
+            shutil.copy(self.config_file, staging / "config.yaml")
+            write_manifest(staging, step)
+            publish(self.root, step)
+            remove_oldest(self.root, self.max_to_keep)
+        dist.barrier()
+        return self.root / f"global_step_{step}"
+
+    @torch.no_grad()
+    def load(self, directory: Path, engines: dict) -> dict:
+        """Collective: restore models, optimizers, schedulers and RNGs; returns the trainer state."""
+        state = json.loads((directory / "trainer_state.json").read_text())
+        for name, engine in engines.items():
+            if not (directory / name).is_dir():
+                raise CheckpointError(f"{directory}: has no {name!r} state; it holds {sorted(state['schedulers'])}")
+            initialize_optimizer_state(engine.optimizer)
+            loaded = dist_checkpointing.load(sharded_state(engine, is_loading=True), str(directory / name))
+            engine.module.load_state_dict(loaded["model"])
+            engine.optimizer.load_state_dict(loaded["optimizer"])
+            engine.scheduler.load_state_dict(state["schedulers"][name])
+        if state["world_size"] == self.world_size:  # RNG streams belong to ranks: only same-size worlds
+            set_rng_state(torch.load(directory / "rng" / f"rank_{self.rank}.pt", weights_only=True))
+        return state

