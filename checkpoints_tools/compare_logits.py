@@ -13,53 +13,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 from megarl.config.schema import LAYER_SPECS
 from megarl.distributed import init_layout
-from megarl.distributed.launch import device
-from megarl.engine.forward import forward_outputs, gather_vocab
+from megarl.engine.parity import max_difference
 from megarl.models.hf_interop import load_hf_model
-
-PROMPTS = (
-    "What is 17 + 25? Think step by step.",
-    "The quick brown fox jumps over the lazy dog.",
-    "def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)",
-    "Megatron meets vLLM.",
-)
-
-
-def tokenize(model_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded token ids (B, T) and the mask of real tokens."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
-    length = max(map(len, ids))
-    tokens_BT = torch.full((len(ids), length), tokenizer.pad_token_id or 0)
-    mask_BT = torch.zeros(len(ids), length, dtype=torch.bool)
-    for i, row in enumerate(ids):
-        tokens_BT[i, : len(row)] = torch.tensor(row)
-        mask_BT[i, : len(row)] = True
-    return tokens_BT, mask_BT
-
-
-def max_difference(model_dir: str, layout, tokens_BT, mask_BT, layer_spec: str) -> float:
-    model, arch = load_hf_model(model_dir, layout, layer_spec=layer_spec)
-    model.eval()
-    outputs = forward_outputs(model, layout, tokens_BT, micro_batch_size=2)
-    difference = torch.zeros(1, device=device())
-    if layout.is_last_stage:
-        if not arch.value_model:
-            outputs = gather_vocab(outputs, layout)[..., : arch.vocab_size]
-        if layout.holds_unique_stage_copy:
-            hf_class = AutoModelForTokenClassification if arch.value_model else AutoModelForCausalLM
-            reference = hf_class.from_pretrained(model_dir, dtype=torch.float32).eval()
-            with torch.no_grad():
-                expected = reference(tokens_BT).logits
-            difference[0] = (outputs.float().cpu() - expected)[mask_BT].abs().max()
-    dist.all_reduce(difference, op=dist.ReduceOp.MAX)
-    return difference.item()
 
 
 def main(argv=None) -> int:
@@ -74,8 +33,8 @@ def main(argv=None) -> int:
     layout = init_layout(tp=args.tp, pp=args.pp)
     failed = False
     for model_dir in args.hf:
-        tokens_BT, mask_BT = tokenize(model_dir)
-        difference = max_difference(model_dir, layout, tokens_BT, mask_BT, args.layer_spec)
+        model, arch = load_hf_model(model_dir, layout, layer_spec=args.layer_spec)
+        difference = max_difference(model, arch, layout, model_dir)
         ok = difference <= args.tolerance
         failed |= not ok
         if dist.get_rank() == 0:

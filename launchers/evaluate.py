@@ -46,11 +46,12 @@ def load_rollouts(path: str, reward_function: str, timeout_seconds: float) -> tu
     rows.sort(key=lambda row: (row["index"], row.get("sample", 0)))
     prompts = [Prompt([], row["data_source"], row["ground_truth"], row.get("extra_info") or {}, row["index"])
                for row in rows]
-    result = RewardManager(scoring_function(reward_function), timeout_seconds).score(
-        [ScoringItem(p.data_source, row["response"], p.ground_truth, p.extra_info) for p, row in zip(prompts, rows)])
     counts = Counter(p.index for p in prompts)
     if len(set(counts.values())) != 1:
         raise ValueError(f"{path}: prompts have different numbers of responses ({sorted(set(counts.values()))})")
+    # A scorer that raises or times out gives 0; RewardManager counts it and logs a warning.
+    result = RewardManager(scoring_function(reward_function), timeout_seconds).score(
+        [ScoringItem(p.data_source, row["response"], p.ground_truth, p.extra_info) for p, row in zip(prompts, rows)])
     rollouts = Rollouts(prompts=prompts, group_ids=[p.index for p in prompts], scores=result.scores)
     return rollouts, next(iter(counts.values()))
 

@@ -16,9 +16,9 @@
 #                    collective ends the job, and each rank first dumps its last collectives to the log
 #                    folder (torch's flight recorder): they show which phase was stuck.
 #   MEGARL_LOG_DIR   per-rank logs (default outputs/slurm/$SLURM_JOB_ID), one folder per node
-#   MEGARL_RESUME_MODE  passed as trainer.resume_mode=<value> (e.g. auto, so that a requeued job
-#                    resumes from its latest checkpoint). trainer.resume_mode comes with checkpointing:
-#                    until the schema has it, leave MEGARL_RESUME_MODE unset (the key would be rejected).
+#   MEGARL_RESUME_MODE  passed as trainer.resume_mode (default auto: a requeued job resumes from its
+#                    newest complete checkpoint, a new one starts fresh); after the user's overrides, so
+#                    this variable is the way to change it (disable, or path with trainer.resume_path=...)
 #   PYTHON           interpreter (default .venv/bin/python when present, else python3)
 #
 # Preemption: SIGUSR1 (sent by `#SBATCH --signal=USR1@180` before the time limit) stops the workers
@@ -77,10 +77,18 @@ else
     "$PYTHON" -m megarl.doctor --require $required >/dev/null
 fi
 
-resume=()
-if [[ -n "${MEGARL_RESUME_MODE:-}" ]]; then
-    resume=("trainer.resume_mode=$MEGARL_RESUME_MODE")
-fi
+child=""
+# shellcheck disable=SC2329  # invoked by the traps below
+stop() {
+    local signal=$1
+    echo "megarl launch: node $SLURM_NODEID received SIG$signal, stopping the workers" >&2
+    if [[ "$signal" == USR1 && "$SLURM_NODEID" == 0 ]] && command -v scontrol >/dev/null; then
+        scontrol requeue "$SLURM_JOB_ID" && echo "megarl launch: requeued job $SLURM_JOB_ID" >&2
+    fi
+    if [[ -n "$child" ]]; then kill -TERM "$child" 2>/dev/null || true; else exit 143; fi
+}
+trap 'stop USR1' USR1
+trap 'stop TERM' TERM
 
 echo "megarl launch: node $SLURM_NODEID of $SLURM_NNODES, processes per node $nproc, rendezvous $host:$port" \
      "(job $SLURM_JOB_ID), NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-<NCCL default>}, logs in $log_dir"
@@ -93,20 +101,8 @@ is_host=$([[ "$SLURM_NODEID" == 0 ]] && echo 1 || echo 0)
     --rdzv_backend=c10d --rdzv_endpoint="$host:$port" --rdzv_id="$SLURM_JOB_ID" \
     --rdzv_conf="is_host=$is_host,join_timeout=$(( timeout_minutes * 60 ))" \
     --log-dir="$log_dir" --tee=3 \
-    launchers/train_ppo.py "$@" "${resume[@]}" &
+    launchers/train_ppo.py "$@" "trainer.resume_mode=${MEGARL_RESUME_MODE:-auto}" &
 child=$!
-
-# shellcheck disable=SC2329  # invoked by the traps below
-stop() {
-    local signal=$1
-    echo "megarl launch: node $SLURM_NODEID received SIG$signal, stopping the workers" >&2
-    if [[ "$signal" == USR1 && "$SLURM_NODEID" == 0 ]] && command -v scontrol >/dev/null; then
-        scontrol requeue "$SLURM_JOB_ID" && echo "megarl launch: requeued job $SLURM_JOB_ID" >&2
-    fi
-    kill -TERM "$child" 2>/dev/null || true
-}
-trap 'stop USR1' USR1
-trap 'stop TERM' TERM
 
 # `wait` returns early when a trapped signal arrives: wait again for torchrun to finish.
 status=0

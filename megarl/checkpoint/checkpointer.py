@@ -84,7 +84,6 @@ def set_rng_state(state: dict) -> None:
 class Checkpointer:
     def __init__(self, root: Path, hf_source: str, config_file: Path, max_to_keep: int):
         self.root, self.hf_source, self.config_file, self.max_to_keep = root, Path(hf_source), config_file, max_to_keep
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
     def find(self, mode: str, path: str) -> Path | None:
         """The checkpoint to resume from: the newest complete one (auto), none, or `path`."""
@@ -101,18 +100,19 @@ class Checkpointer:
 
     def save(self, step: int, engines: dict, trainer_state: dict) -> Path:
         """Collective: every rank saves its shards; returns the published directory."""
+        rank, world_size = dist.get_rank(), dist.get_world_size()
         staging = partial_dir(self.root, step)
-        if self.rank == 0:
+        if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
             for sub in (*engines, "rng", "hf"):
                 (staging / sub).mkdir(parents=True)
         dist.barrier()
         for name, engine in engines.items():
             dist_checkpointing.save(sharded_state(engine, is_loading=False), str(staging / name))
-        torch.save(rng_state(), staging / "rng" / f"rank_{self.rank}.pt")
+        torch.save(rng_state(), staging / "rng" / f"rank_{rank}.pt")
         dist.barrier()
-        if self.rank == 0:
-            state = dict(trainer_state, step=step, world_size=self.world_size,
+        if rank == 0:
+            state = dict(trainer_state, step=step, world_size=world_size,
                          schedulers={n: e.scheduler.state_dict() for n, e in engines.items()})
             (staging / "trainer_state.json").write_text(json.dumps(state, indent=1))
             for name in ("config.json", *TOKENIZER_FILES):
@@ -137,6 +137,6 @@ class Checkpointer:
             engine.module.load_state_dict(loaded["model"])
             engine.optimizer.load_state_dict(loaded["optimizer"])
             engine.scheduler.load_state_dict(state["schedulers"][name])
-        if state["world_size"] == self.world_size:  # RNG streams belong to ranks: only same-size worlds
-            set_rng_state(torch.load(directory / "rng" / f"rank_{self.rank}.pt", weights_only=True))
+        if state["world_size"] == dist.get_world_size():  # RNG streams belong to ranks: same-size worlds only
+            set_rng_state(torch.load(directory / "rng" / f"rank_{dist.get_rank()}.pt", weights_only=True))
         return state

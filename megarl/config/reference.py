@@ -16,7 +16,9 @@ import ast
 import dataclasses
 import inspect
 import json
+import re
 import sys
+import typing
 from pathlib import Path
 
 from omegaconf import MISSING
@@ -67,7 +69,7 @@ def _format_default(value) -> str:
 def _allowed_values(text: str) -> str:
     """Spell out the schema's tuples of allowed values (DTYPES, ...) that a docstring names."""
     named = [name for name, value in vars(schema).items()
-             if name.isupper() and isinstance(value, tuple) and name in text]
+             if name.isupper() and isinstance(value, tuple) and re.search(rf"\b{name}\b", text)]
     return "".join(f" ({name}: {', '.join(f'`{v}`' for v in vars(schema)[name])})" for name in named)
 
 
@@ -78,15 +80,15 @@ def _cell(text: str) -> str:
 
 def _section(cls: type, prefix: str, lead: str) -> list[str]:
     """The Markdown of one section and, after it, of each nested section (dotted keys)."""
-    docs = field_docstrings(cls)
+    docs, types = field_docstrings(cls), typing.get_type_hints(cls)
     heading = prefix.rstrip(".") or "sections"
     lines = [f"## {heading}", "", f"`{cls.__name__}`: {_cell(' '.join(lead.split()))}", "",
              "| key | type | default | description |", "|---|---|---|---|"]
     nested = []
     for field in dataclasses.fields(cls):
         key, description = prefix + field.name, docs.get(field.name, "")
-        if dataclasses.is_dataclass(field.default_factory):
-            nested.append((field.default_factory, key + ".", field))
+        if dataclasses.is_dataclass(types[field.name]):
+            nested.append((types[field.name], key + ".", field))
             default = f"section [`{key}`](#{key.replace('.', '')})"
         else:
             default = _format_default(_default(field))

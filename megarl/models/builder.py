@@ -19,7 +19,7 @@ from megarl.config.schema import LAYER_SPECS
 from megarl.distributed.launch import device
 from megarl.distributed.layout import ParallelLayout
 from megarl.models.architecture import Architecture, check_layout_fits, padded_vocab_size
-from megarl.models.value_head import ValueHead
+from megarl.models.value_head import GPTValueModel, ValueHead
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -104,7 +104,8 @@ def build_model(
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
-    model = GPTModel(
+    model_class = GPTValueModel if arch.value_model else GPTModel
+    model = model_class(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(arch.vocab_size, make_vocab_size_divisible_by, layout.tp),

@@ -104,6 +104,8 @@ def _write_config(arch: Architecture, source_dir: str, out_dir: str, dtype: torc
     with open(os.path.join(source_dir, "config.json")) as f:
         config = json.load(f)
     config["architectures"] = [arch.hf_architecture()]
+    if arch.value_model:  # one label: the value of each token
+        config.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0}, tie_word_embeddings=False)
     config["dtype"] = str(dtype).removeprefix("torch.")
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

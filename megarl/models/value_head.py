@@ -9,7 +9,10 @@ identical gradients for it and it needs no extra all-reduce. It matches HF's
 from __future__ import annotations
 
 import torch
+from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 
 class ValueHead(torch.nn.Module):
@@ -24,3 +27,13 @@ class ValueHead(torch.nn.Module):
         if self.sequence_parallel:
             hidden_SBH = gather_from_sequence_parallel_region(hidden_SBH, group=self.tp_group)
         return self.score(hidden_SBH), None
+
+
+class GPTValueModel(GPTModel):
+    """A GPTModel whose output layer is a `ValueHead` (set by the builder on the last stage)."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        # The language-model version assumes a vocabulary-sized output layer to pad or tie; the
+        # value head is a plain replicated layer, which the generic module version checkpoints.
+        return MegatronModule.sharded_state_dict(self, prefix, sharded_offsets,
+                                                 ensure_metadata_has_dp_cp_group(metadata))

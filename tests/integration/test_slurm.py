@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -47,7 +49,8 @@ def test_two_simulated_nodes_rendezvous_and_train(tiny_models, tmp_path):
     train, test = make_arithmetic(64, 16, seed=0, out_dir=tmp_path / "data")
     overrides = [f"model.path={tiny_models['qwen2-tied']}", f"data.train_files=[{train}]",
                  f"data.val_files=[{test}]", f"trainer.output_dir={tmp_path}", "trainer.total_steps=2",
-                 "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "data.max_val_samples=8"]
+                 "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "data.max_val_samples=8",
+                 f"trainer.checkpoint_dir={tmp_path / 'checkpoints'}"]  # launch.sh adds trainer.resume_mode=auto
     common = {"SLURM_JOB_NODELIST": "localhost", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242",
               "GPUS_PER_NODE": "1", "MASTER_PORT": str(_free_port()), "MEGARL_LOG_DIR": str(tmp_path / "logs"),
               "PYTHON": sys.executable, "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
@@ -56,13 +59,14 @@ def test_two_simulated_nodes_rendezvous_and_train(tiny_models, tmp_path):
         console = open(tmp_path / f"node{node_id}.out", "w")
         env = dict(os.environ, **common, SLURM_NODEID=str(node_id))
         command = ["bash", "launchers/slurm/launch.sh", "--config", "configs/quickstart.yaml", *overrides]
-        nodes.append((subprocess.Popen(command, cwd=ROOT, env=env, stdout=console, stderr=subprocess.STDOUT),
-                      console))
+        nodes.append((subprocess.Popen(command, cwd=ROOT, env=env, stdout=console, stderr=subprocess.STDOUT,
+                                       start_new_session=True), console))
     try:
         codes = [process.wait(timeout=600) for process, _ in nodes]
     finally:
         for process, console in nodes:
-            process.kill() if process.poll() is None else None
+            if process.poll() is None:  # its whole process group: torchrun and the workers too
+                os.killpg(process.pid, signal.SIGKILL)
             console.close()
     consoles = [(tmp_path / f"node{i}.out").read_text() for i in (0, 1)]
     assert codes == [0, 0], f"exit codes {codes}\n" + "\n".join(c[-6000:] for c in consoles)
@@ -71,3 +75,29 @@ def test_two_simulated_nodes_rendezvous_and_train(tiny_models, tmp_path):
     for node_id in (0, 1):  # one torchrun log folder per node, one stdout/stderr per local rank
         assert len(list((tmp_path / "logs" / f"node{node_id}").rglob("0/stderr.log"))) == 1
     assert _logged(tmp_path / "quickstart_grpo", "quickstart_grpo", "reward/mean") == [1, 2]
+
+
+def test_sigusr1_requeues_the_job_and_stops_the_workers(tiny_models, tmp_path):
+    # A stand-in scontrol on PATH records the requeue; `show hostnames` lists the nodes as Slurm would.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\n[[ $1 == show ]] && {{ echo "$3"; exit; }}\n'
+                                      f'echo "$@" >> {tmp_path / "scontrol.log"}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    env = dict(os.environ, SLURM_JOB_NODELIST="localhost", SLURM_NNODES="1", SLURM_NODEID="0", SLURM_JOB_ID="4243",
+               GPUS_PER_NODE="1", MASTER_PORT=str(_free_port()), MEGARL_LOG_DIR=str(tmp_path / "logs"),
+               PYTHON=sys.executable, PATH=f"{bin_dir}:{os.environ['PATH']}", CUDA_VISIBLE_DEVICES="")
+    console = tmp_path / "node0.out"
+    with console.open("w") as out:
+        process = subprocess.Popen(["bash", "launchers/slurm/launch.sh", "--config", "configs/quickstart.yaml",
+                                    f"model.path={tiny_models['qwen2-tied']}"], cwd=ROOT, env=env, stdout=out,
+                                   stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while not list((tmp_path / "logs").rglob("0/stderr.log")) and time.monotonic() < deadline:
+            time.sleep(0.5)  # torchrun has started the worker
+        process.send_signal(signal.SIGUSR1)
+        code = process.wait(timeout=120)
+    assert code != 0, console.read_text()[-4000:]
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4243\n"
+    text = console.read_text()
+    assert "received SIGUSR1, stopping the workers" in text and "got signal: 15" in text  # torchrun was stopped

@@ -33,7 +33,7 @@ def _schema_keys(node: DictConfig, hints_of: type, prefix: str = ""):
 
 
 def test_committed_reference_is_current():
-    assert reference.REFERENCE_PATH.is_file(), "docs/config_reference.md is missing: run python -m megarl.config.reference"
+    assert reference.REFERENCE_PATH.is_file(), "docs/config_reference.md is missing: " + reference.REGENERATE
     assert reference.REFERENCE_PATH.read_text() == reference.render_reference(), (
         "docs/config_reference.md is stale (the schema changed): regenerate it with python -m megarl.config.reference")
 

@@ -1,0 +1,57 @@
+"""A HuggingFace directory -> a megarl (weights-only) checkpoint, saved from a chosen layout.
+
+    torchrun --nproc_per_node=N checkpoints_tools/convert_from_hf.py --hf DIR --output checkpoints/run [--tp T --pp P]
+
+Writes `<output>/global_step_0/` with the `actor` model as a megatron-core dist checkpoint (each
+rank saving only its shards), the HF config and tokenizer in `hf/`, and a manifest, published
+atomically like the trainer's checkpoints. It holds no optimizer or trainer state: use it with
+convert_to_hf.py, or load its weights at any layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+from megarl.checkpoint.directory import partial_dir, publish, write_manifest
+from megarl.distributed import init_layout
+from megarl.models.hf_interop import TOKENIZER_FILES, load_hf_model
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hf", required=True)
+    parser.add_argument("--output", required=True, help="checkpoint root; global_step_0 is written inside")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    args = parser.parse_args(argv)
+
+    layout = init_layout(tp=args.tp, pp=args.pp)
+    root, source = Path(args.output), Path(args.hf)
+    model, _ = load_hf_model(args.hf, layout)
+    staging = partial_dir(root, 0)
+    if dist.get_rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        (staging / "actor").mkdir(parents=True)
+        (staging / "hf").mkdir()
+        for name in ("config.json", *TOKENIZER_FILES):
+            if (source / name).is_file():
+                shutil.copy(source / name, staging / "hf")
+    dist.barrier()
+    dist_checkpointing.save({"model": model.sharded_state_dict()}, str(staging / "actor"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        write_manifest(staging, 0)
+        print(f"wrote {publish(root, 0)} from {layout}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Megatron outputs against `transformers` on the same weights: the check behind compare_logits
+and the conversion tools' --verify.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
+
+from megarl.distributed.launch import device
+from megarl.distributed.layout import ParallelLayout
+from megarl.engine.forward import forward_outputs, gather_vocab
+from megarl.models.architecture import Architecture
+
+PROMPTS = (
+    "What is 17 + 25? Think step by step.",
+    "The quick brown fox jumps over the lazy dog.",
+    "def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)",
+    "Megatron meets vLLM.",
+)
+
+
+def tokenize(model_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded token ids (B, T) of the check prompts and the mask of real tokens."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    tokens_BT = torch.full((len(ids), max(map(len, ids))), tokenizer.pad_token_id or 0)
+    mask_BT = torch.zeros_like(tokens_BT, dtype=torch.bool)
+    for i, row in enumerate(ids):
+        tokens_BT[i, : len(row)] = torch.tensor(row)
+        mask_BT[i, : len(row)] = True
+    return tokens_BT, mask_BT
+
+
+def max_difference(model: torch.nn.Module, arch: Architecture, layout: ParallelLayout, hf_dir: str) -> float:
+    """Largest |megatron - transformers(hf_dir)| over real tokens and the real vocabulary (values for
+    value models); the same number on every rank."""
+    tokens_BT, mask_BT = tokenize(hf_dir)
+    model.eval()
+    outputs = forward_outputs(model, layout, tokens_BT, micro_batch_size=2)
+    difference = torch.zeros(1, device=device())
+    if layout.is_last_stage:
+        if not arch.value_model:
+            outputs = gather_vocab(outputs, layout)[..., : arch.vocab_size]
+        if layout.holds_unique_stage_copy:
+            hf_class = AutoModelForTokenClassification if arch.value_model else AutoModelForCausalLM
+            reference = hf_class.from_pretrained(hf_dir, dtype=torch.float32).eval()
+            with torch.no_grad():
+                expected = reference(tokens_BT).logits
+            difference[0] = (outputs.float().cpu() - expected)[mask_BT].abs().max()
+    dist.all_reduce(difference, op=dist.ReduceOp.MAX)
+    return difference.item()
