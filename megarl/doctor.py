@@ -177,15 +177,19 @@ def report(environment: Environment) -> str:
     return "\n".join(lines)
 
 
+class MissingFeature(ValueError):
+    """A feature the run needs is off here; the message names it and the command that fixes it."""
+
+
 def require(features: list[str], environment: Environment | None = None) -> None:
-    """RuntimeError, one line naming each missing feature and its fix, unless all are enabled."""
+    """MissingFeature, one line naming each missing feature and its fix, unless all are enabled."""
     environment = environment or inspect_environment()
     unknown = [name for name in features if name not in environment.features]
     if unknown:
         raise ValueError(f"unknown doctor feature {unknown[0]!r}; known: {', '.join(environment.features)}")
     missing = [environment.features[name] for name in features if not environment.features[name].enabled]
     if missing:
-        raise RuntimeError("megarl: " + "; ".join(f"{f.description} ({f.key}) is off: {f.reason}; fix: {f.fix}"
+        raise MissingFeature("; ".join(f"{f.description} ({f.key}) is off: {f.reason}; fix: {f.fix}"
                                                   for f in missing))
 
 
@@ -199,7 +203,7 @@ def main(argv: list[str]) -> int:
     print(report(environment), flush=True)
     try:
         require(args.require, environment)
-    except (RuntimeError, ValueError) as error:
+    except ValueError as error:
         print(error, file=sys.stderr)
         return 1
     return 0

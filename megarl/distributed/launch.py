@@ -16,8 +16,11 @@ import torch.distributed as dist
 from megarl.distributed.cpu_compat import apply_cpu_compat
 
 
-def init_process_group(timeout_minutes: int = 30) -> None:
-    """Initialise the default process group from the torchrun environment (idempotent)."""
+def init_process_group() -> None:
+    """Initialise the default process group from the torchrun environment (idempotent).
+
+    Collectives time out after MEGARL_COLLECTIVE_TIMEOUT_MINUTES (default 30); the error then
+    names the phase of the RL step that was stuck (`megarl.trainer.timing`)."""
     if dist.is_initialized():
         return
     os.environ.setdefault("RANK", "0")
@@ -31,7 +34,8 @@ def init_process_group(timeout_minutes: int = 30) -> None:
     else:
         apply_cpu_compat()
         backend = "gloo"
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    timeout = datetime.timedelta(minutes=float(os.environ.get("MEGARL_COLLECTIVE_TIMEOUT_MINUTES", "30")))
+    dist.init_process_group(backend=backend, timeout=timeout)
 
 
 def device() -> torch.device:

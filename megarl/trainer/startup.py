@@ -16,6 +16,7 @@ from typing import Sequence
 
 from megarl.config import ConfigError, RunConfig, load_config, save_resolved, validate_layout
 from megarl.distributed import ParallelLayout, init_layout
+from megarl.doctor import require
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ def parse_config(argv: Sequence[str]) -> RunConfig:
     config = load_config(args.config, args.overrides)
     validate_layout(config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     check_registered_names(config)
+    require(["core", *(["vllm"] if config.rollout.backend == "vllm" else []),
+             *(["mlflow"] if "mlflow" in config.trainer.loggers else [])])
     if not (Path(config.model.path) / "config.json").is_file():
         raise ConfigError(
             f"config key 'model.path' = {config.model.path!r} has no config.json; "

@@ -1,4 +1,5 @@
-"""Wall-clock time per phase of an RL step."""
+"""Wall-clock time per phase of an RL step; an error raised inside a phase (a collective that timed
+out, say) carries a note naming the phase."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ class PhaseTimer:
         start = time.perf_counter()
         try:
             yield
+        except BaseException as error:
+            error.add_note(f"megarl: raised during the '{phase}' phase of the RL step")
+            raise
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 

@@ -57,9 +57,9 @@ def test_gpu_features_are_off_without_cuda_and_name_the_fix():
     for key in ("transformer_engine", "triton", "apex", "sleep_mode", "offload", "cuda"):
         assert not features[key].enabled and features[key].fix, key
     assert features["transformer_engine"].reason == "CUDA absent"
-    with pytest.raises(RuntimeError, match=r'^megarl: Transformer Engine .*CUDA absent.*pip install -e "\.\[gpu\]"'):
+    with pytest.raises(doctor.MissingFeature, match=r'^Transformer Engine .*CUDA absent.*pip install -e "\.\[gpu\]"'):
         doctor.require(["transformer_engine"])
-    with pytest.raises(RuntimeError, match="git\\+https://github.com/NVIDIA/apex.git"):
+    with pytest.raises(doctor.MissingFeature, match="git\\+https://github.com/NVIDIA/apex.git"):
         doctor.require(["core", "apex"])
 
 
@@ -68,7 +68,7 @@ def test_require_names_the_missing_piece_in_one_line():
     core = environment.features["core"]
     broken = replace(environment, features={**environment.features, "core": replace(
         core, enabled=False, reason="missing megatron-core", fix=doctor.MAKE_INSTALL)})
-    with pytest.raises(RuntimeError) as error:
+    with pytest.raises(doctor.MissingFeature) as error:
         doctor.require(["core"], broken)
     message = str(error.value)
     assert "\n" not in message and "missing megatron-core" in message and message.endswith("fix: make install")
