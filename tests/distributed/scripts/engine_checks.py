@@ -6,7 +6,6 @@ the exported weights across layouts.
 
 import argparse
 import json
-import os
 
 import torch
 import torch.distributed as dist
