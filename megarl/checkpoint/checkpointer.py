@@ -8,8 +8,8 @@
       hf/                     the model's config.json and tokenizer, for the conversion tools
       manifest.json           written last (see `directory`)
 
-Every rank writes its own shards; rank 0 writes the small files and publishes the checkpoint with
-one atomic rename once all ranks are done. Distributed-optimizer state uses megatron's
+Every rank writes its own shards (in background processes with `trainer.async_save`); rank 0 writes
+the small files and publishes the checkpoint with one atomic rename once all ranks are done. Distributed-optimizer state uses megatron's
 `dp_reshardable` format (reshardable over DP only); without it, optimizer state reshards freely.
 """
 
@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megarl.checkpoint.directory import (
@@ -82,8 +83,10 @@ def set_rng_state(state: dict) -> None:
 
 
 class Checkpointer:
-    def __init__(self, root: Path, hf_source: str, config_file: Path, max_to_keep: int):
+    def __init__(self, root: Path, hf_source: str, config_file: Path, max_to_keep: int, async_save: bool = False):
         self.root, self.hf_source, self.config_file, self.max_to_keep = root, Path(hf_source), config_file, max_to_keep
+        self.async_save = async_save
+        self.queue = AsyncCallsQueue() if async_save else None
 
     def find(self, mode: str, path: str) -> Path | None:
         """The checkpoint to resume from: the newest complete one (auto), none, or `path`."""
@@ -98,8 +101,13 @@ class Checkpointer:
         complete = complete_checkpoints(self.root) if self.root.is_dir() else []
         return complete[-1] if complete else None
 
-    def save(self, step: int, engines: dict, trainer_state: dict) -> Path:
-        """Collective: every rank saves its shards; returns the published directory."""
+    def save(self, step: int, engines: dict, trainer_state: dict) -> None:
+        """Collective: every rank saves its shards, then rank 0 publishes the checkpoint.
+
+        With `async_save`, shards are written by background processes while training goes on and
+        the checkpoint is published when they finish (checked at every `poll`); only one save is
+        in flight at a time. Everything the checkpoint records is captured now, at `step`."""
+        self.wait()
         rank, world_size = dist.get_rank(), dist.get_world_size()
         staging = partial_dir(self.root, step)
         if rank == 0:
@@ -107,23 +115,40 @@ class Checkpointer:
             for sub in (*engines, "rng", "hf"):
                 (staging / sub).mkdir(parents=True)
         dist.barrier()
-        for name, engine in engines.items():
-            dist_checkpointing.save(sharded_state(engine, is_loading=False), str(staging / name))
         torch.save(rng_state(), staging / "rng" / f"rank_{rank}.pt")
-        dist.barrier()
-        if rank == 0:
-            state = dict(trainer_state, step=step, world_size=world_size,
-                         schedulers={n: e.scheduler.state_dict() for n, e in engines.items()})
+        state = dict(trainer_state, step=step, world_size=world_size,
+                     schedulers={n: e.scheduler.state_dict() for n, e in engines.items()})
+        requests = [dist_checkpointing.save(sharded_state(engine, is_loading=False), str(staging / name),
+                                            async_sharded_save=self.async_save)
+                    for name, engine in engines.items()]
+        if not self.async_save:
+            return self._publish(staging, state)
+        requests[-1].add_finalize_fn(lambda: self._publish(staging, state))
+        for request in requests:
+            self.queue.schedule_async_request(request)
+
+    def poll(self) -> None:
+        """Collective: publish an asynchronous save whose shards are all written."""
+        if self.async_save:
+            self.queue.maybe_finalize_async_calls(blocking=False)
+
+    def wait(self) -> None:
+        """Collective: finish and publish any save in flight (before the next one, and at the end)."""
+        if self.async_save:
+            self.queue.maybe_finalize_async_calls(blocking=True)
+
+    def _publish(self, staging: Path, state: dict) -> None:
+        dist.barrier()  # every rank's shards are on disk
+        if dist.get_rank() == 0:
             (staging / "trainer_state.json").write_text(json.dumps(state, indent=1))
             for name in ("config.json", *TOKENIZER_FILES):
                 if (self.hf_source / name).is_file():
                     shutil.copy(self.hf_source / name, staging / "hf")
             shutil.copy(self.config_file, staging / "config.yaml")
-            write_manifest(staging, step)
-            publish(self.root, step)
+            write_manifest(staging, state["step"])
+            publish(self.root, state["step"])
             remove_oldest(self.root, self.max_to_keep)
         dist.barrier()
-        return self.root / f"global_step_{step}"
 
     @torch.no_grad()
     def load(self, directory: Path, engines: dict) -> dict:

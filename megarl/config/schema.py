@@ -341,6 +341,10 @@ class TrainerConfig:
     save_freq: int = 0
     """Save a checkpoint every this many steps and at the last step (0: never)."""
 
+    async_save: bool = False
+    """Write checkpoint shards in background processes while training continues; the checkpoint
+    is published (and becomes resumable) once they finish."""
+
     checkpoint_dir: str = "checkpoints"
     """Checkpoints go to <checkpoint_dir>/<experiment_name>/global_step_N."""
 

@@ -61,7 +61,7 @@ class RLTrainer:
                                         shuffle=data.shuffle)
         trainer = config.trainer
         self.checkpointer = Checkpointer(Path(trainer.checkpoint_dir) / trainer.experiment_name, config.model.path,
-                                         self.run_dir / "config.yaml", trainer.max_ckpt_to_keep)
+                                         self.run_dir / "config.yaml", trainer.max_ckpt_to_keep, trainer.async_save)
         resume_from = self.checkpointer.find(trainer.resume_mode, trainer.resume_path)
         self.estimator = ADVANTAGE_ESTIMATORS.get(config.algorithm.adv_estimator)
         self.actor = self._engine(config.actor, trainable=True)
@@ -136,6 +136,7 @@ class RLTrainer:
             self.sync.sync(step=0)
             self.tracker.log(self.validate(), step=0)
         for step in range(self.start_step, trainer.total_steps + 1):
+            self.checkpointer.poll()
             last = self.step(step)
             if self.val_data is not None and (step == trainer.total_steps or
                                               (trainer.test_freq and step % trainer.test_freq == 0)):
@@ -145,6 +146,7 @@ class RLTrainer:
                 self.checkpointer.save(step, self._trainable(), {
                     "sampler": self.sampler.state_dict(), "kl_coef": self.kl_ctrl.value,
                     "mlflow_run_id": self.tracker.run_id})
+        self.checkpointer.wait()
         if self.layout.rank == 0:
             self.tracker.log_artifact(plot_curves(self.tracker.history, self.run_dir / "curves.png"))
             self.tracker.log_artifact(self.run_dir / "config.yaml")

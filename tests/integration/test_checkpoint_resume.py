@@ -71,9 +71,11 @@ def uninterrupted(tiny_models, arithmetic, tmp_path_factory):
     return metrics
 
 
+@pytest.mark.parametrize("async_save", ["false", "true"])
 def test_sigkill_during_training_then_auto_resume_is_bitwise_identical(tiny_models, arithmetic, tmp_path,
-                                                                       uninterrupted):
-    args = _args(tiny_models["qwen2-tied"], arithmetic, tmp_path)
+                                                                       uninterrupted, async_save):
+    # With async saves the shards are written by background processes while step 3 trains.
+    args = _args(tiny_models["qwen2-tied"], arithmetic, tmp_path, f"trainer.async_save={async_save}")
     checkpoints = tmp_path / "ckpt/quickstart_grpo"
     process = _start(*args)
     _kill_when(process, lambda: (checkpoints / "latest").is_file()
