@@ -20,7 +20,7 @@ from megatron.core import dist_checkpointing
 
 from megarl.checkpoint.directory import partial_dir, publish, write_manifest
 from megarl.distributed import init_layout
-from megarl.models.hf_interop import TOKENIZER_FILES, load_hf_model
+from megarl.models.hf_interop import copy_hf_files, load_hf_model
 
 
 def main(argv=None) -> int:
@@ -39,9 +39,7 @@ def main(argv=None) -> int:
         shutil.rmtree(staging, ignore_errors=True)
         (staging / "actor").mkdir(parents=True)
         (staging / "hf").mkdir()
-        for name in ("config.json", *TOKENIZER_FILES):
-            if (source / name).is_file():
-                shutil.copy(source / name, staging / "hf")
+        copy_hf_files(source, staging / "hf")
     dist.barrier()
     dist_checkpointing.save({"model": model.sharded_state_dict()}, str(staging / "actor"))
     dist.barrier()

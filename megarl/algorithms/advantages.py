@@ -25,7 +25,7 @@ Sequence-level advantages are broadcast over the valid tokens of their response.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -138,12 +138,8 @@ def grpo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
 
 
 @ADVANTAGE_ESTIMATORS.register("drgrpo")
-@torch.no_grad()
 def drgrpo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
-    scores_B = _outcome_scores(inputs)
-    size_B, _, mean_B, _ = _group_statistics(scores_B, inputs.group_ids_B)
-    mean_B = torch.where(size_B > 1, mean_B, torch.zeros_like(mean_B))
-    return _broadcast(scores_B - mean_B, inputs.mask_BR)
+    return grpo(replace(inputs, norm_by_std=False))
 
 
 @ADVANTAGE_ESTIMATORS.register("rloo")

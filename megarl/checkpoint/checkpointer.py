@@ -36,7 +36,7 @@ from megarl.checkpoint.directory import (
     remove_oldest,
     write_manifest,
 )
-from megarl.models.hf_interop import TOKENIZER_FILES
+from megarl.models.hf_interop import copy_hf_files
 
 OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
 
@@ -141,9 +141,7 @@ class Checkpointer:
         dist.barrier()  # every rank's shards are on disk
         if dist.get_rank() == 0:
             (staging / "trainer_state.json").write_text(json.dumps(state, indent=1))
-            for name in ("config.json", *TOKENIZER_FILES):
-                if (self.hf_source / name).is_file():
-                    shutil.copy(self.hf_source / name, staging / "hf")
+            copy_hf_files(self.hf_source, staging / "hf")
             shutil.copy(self.config_file, staging / "config.yaml")
             write_manifest(staging, state["step"])
             publish(self.root, state["step"])

@@ -109,6 +109,11 @@ def _write_config(arch: Architecture, source_dir: str, out_dir: str, dtype: torc
     config["dtype"] = str(dtype).removeprefix("torch.")
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    for name in TOKENIZER_FILES:
+    copy_hf_files(source_dir, out_dir, TOKENIZER_FILES)
+
+
+def copy_hf_files(source_dir, out_dir, names=("config.json", *TOKENIZER_FILES)) -> None:
+    """Copy a model's config and tokenizer files (those present) from one directory to another."""
+    for name in names:
         if os.path.isfile(os.path.join(source_dir, name)):
             shutil.copy(os.path.join(source_dir, name), out_dir)
