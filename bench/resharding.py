@@ -9,6 +9,7 @@ Prints, measured in one run on this machine:
 - peak extra memory / bucket size,
 - megarl rollout tokens/s / standalone vLLM tokens/s on the same prompts (target >= 0.95): both in
   one process each, the same engine settings and sampling seeds.
+The sync measurements are also written to outputs/bench/resharding.json for the cost model.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ import sys
 import time
 from pathlib import Path
 
+from bench_model import BENCH_MODEL as MODEL, ensure_bench_model  # bench/ is first on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = ROOT / "outputs/bench/qwen2_30m"
 NUM_PROMPTS, NEW_TOKENS = 32, 64
+RESULTS = ROOT / "outputs/bench/resharding.json"  # read by bench/resharding_cost_model.py
 
 
 def prompts() -> list[list[int]]:
@@ -142,11 +145,7 @@ def main() -> None:
         return rollout_worker(args.worker)
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    if not (MODEL / "config.json").is_file():
-        subprocess.run([sys.executable, "checkpoints_tools/make_tiny_model.py", "--family", "qwen2", "--out", str(MODEL),
-                        "--hidden-size", "512", "--ffn-hidden-size", "1536", "--num-layers", "10", "--num-heads", "8",
-                        "--num-kv-heads", "4", "--no-tied", "--max-shard-size", "40MB"], cwd=ROOT, env=env, check=True,
-                       capture_output=True)
+    ensure_bench_model()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     ranks = launch(torchrun + ["--nproc_per_node=4", __file__, "--worker", "sync", "--bucket-mib", str(args.bucket_mib)],
                    "SYNC", env)
@@ -169,6 +168,8 @@ def main() -> None:
           f"{seconds / gather:.2f}")
     peak = max(r["peak_extra_bytes"] for r in ranks)
     print(f"peak extra memory / bucket size: {peak / bucket:.2f} ({peak / 2**20:.1f} MiB)")
+    RESULTS.write_text(json.dumps({"ranks": ranks, "bucket_bytes": bucket, "transfer_seconds": transfer,
+                                   "all_gather_seconds": gather, "seconds": seconds}, indent=1))
     ours, theirs = megarl["tokens"] / megarl["seconds"], standalone["tokens"] / standalone["seconds"]
     print(f"rollout tokens/s: megarl {ours:.0f} / standalone vLLM {theirs:.0f} = {ours / theirs:.2f} "
           f"(target >= 0.95: {'met' if ours / theirs >= 0.95 else 'MISSED'}); {NUM_PROMPTS} prompts x {NEW_TOKENS} tokens")

@@ -73,12 +73,13 @@ def param_mappings(model: torch.nn.Module, arch: Architecture) -> list[ParamMapp
     """The mapping of every parameter this rank's model stage holds."""
     layer_numbers = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
     return [
-        _mapping(name, arch, layer_numbers)
+        param_mapping(name, arch, layer_numbers)
         for name, _ in model.named_parameters()
     ]
 
 
-def _mapping(name: str, arch: Architecture, layer_numbers: dict[int, int]) -> ParamMapping:
+def param_mapping(name: str, arch: Architecture, layer_numbers: dict[int, int]) -> ParamMapping:
+    """The mapping of megatron parameter `name`; `layer_numbers` maps local to global layer indices."""
     match = _LAYER_NAME.fullmatch(name)
     if match:
         global_layer = layer_numbers[int(match.group(1))]

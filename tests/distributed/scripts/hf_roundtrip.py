@@ -1,12 +1,21 @@
-"""Load HF checkpoints into megatron at a layout and export them back (checked by the test)."""
+"""Load HF checkpoints into megatron at a layout and export them back (checked by the test).
+
+Also checks, for Llama-like models (no biases, no QK norm, untied), that the shard shapes the
+resharding cost model (bench/resharding_cost_model.py) computes on paper are the built model's.
+"""
 
 import argparse
 import os
+import sys
+from pathlib import Path
 
 import torch.distributed as dist
 
 from megarl.distributed import init_layout
 from megarl.models.hf_interop import export_hf, load_hf_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+from resharding_cost_model import stage_shard_shapes  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--hf", nargs="+", required=True)
@@ -18,5 +27,9 @@ args = parser.parse_args()
 layout = init_layout(tp=args.tp, pp=args.pp)
 for model_dir in args.hf:
     model, arch = load_hf_model(model_dir, layout)
+    if not (arch.qkv_bias or arch.qk_norm or arch.tie_word_embeddings):
+        built = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        on_paper = stage_shard_shapes(arch, layout.tp, layout.pp, layout.pp_rank)
+        assert built == on_paper, f"{model_dir}: built {built} != cost model {on_paper}"
     export_hf(model, arch, layout, os.path.join(args.out, os.path.basename(model_dir)), model_dir)
 dist.destroy_process_group()
