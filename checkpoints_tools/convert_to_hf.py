@@ -12,19 +12,14 @@ directory under `transformers` with the megarl model's (exit 1 above --tolerance
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing
 
-from megarl.checkpoint.directory import problem_with
+from megarl.checkpoint.model_loading import load_model, model_problem
 from megarl.distributed import init_layout
 from megarl.engine.parity import max_difference
-from megarl.models.architecture import architecture_from_hf, read_hf_config
-from megarl.models.builder import build_model
 from megarl.models.hf_interop import export_hf
 
 
@@ -40,20 +35,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     checkpoint = Path(args.checkpoint)
-    problem = problem_with(checkpoint) if checkpoint.is_dir() else "no such directory"
-    if problem or not (checkpoint / args.model).is_dir():
-        sys.exit(f"convert_to_hf: {checkpoint} is not a usable checkpoint with a {args.model!r} model: "
-                 f"{problem or 'missing ' + args.model}")
+    problem = model_problem(checkpoint, args.model)  # before joining the world: one message, not one per rank
+    if problem:
+        sys.exit(f"convert_to_hf: {checkpoint} is not a usable checkpoint with a {args.model!r} model: {problem}")
     layout = init_layout(tp=args.tp, pp=args.pp)
-    arch = architecture_from_hf(read_hf_config(str(checkpoint / "hf")), source=str(checkpoint / "hf/config.json"))
-    if args.model == "critic":
-        arch = dataclasses.replace(arch, value_model=True, tie_word_embeddings=False)
-    model = build_model(arch, layout)
     if dist.get_rank() == 0:
         print(f"loading {checkpoint / args.model} at {layout}", flush=True)
-    with torch.no_grad():
-        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(checkpoint / args.model))
-        model.load_state_dict(loaded["model"])
+    model, arch = load_model(checkpoint, args.model, layout)
     export_hf(model, arch, layout, args.output, str(checkpoint / "hf"))
     status = 0
     if args.verify:
