@@ -2,7 +2,9 @@
 
 Backends register in `ROLLOUT_BACKENDS` and see weights only as HF-named tensors, handed to
 them by `megarl.resharding`. A backend whose weight load failed part-way refuses to generate until
-a later load succeeds, so a half-loaded engine never serves.
+a later load succeeds, so a half-loaded engine never serves. One started with `dummy_weights`
+(random weights of the config's shapes, for a model directory without weight files) likewise
+refuses until its first complete load.
 """
 
 from __future__ import annotations
@@ -65,8 +67,8 @@ ROLLOUT_BACKENDS: Registry[type] = Registry("rollout backend")
 class WeightUpdateGuard:
     """Tracks whether the last weight update finished; shared by the backends."""
 
-    def __init__(self):
-        self.pending: str | None = None
+    def __init__(self, has_weights: bool = True):
+        self.pending: str | None = None if has_weights else "started with dummy weights and no weight update yet"
 
     def begin(self, step: int) -> None:
         self.pending = f"weight update of step {step} did not finish"

@@ -6,20 +6,21 @@ that could make it differ from a textbook forward pass.
 
 from __future__ import annotations
 
+import os
 from typing import Iterable
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from megarl.rollout.base import ROLLOUT_BACKENDS, RolloutOutput, Sampling, WeightUpdateGuard
 
 
 @ROLLOUT_BACKENDS.register("hf")
 class HFRollout:
-    def __init__(self, model_dir: str, dtype: str, **unused):
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    def __init__(self, model_dir: str, dtype: str, dummy_weights: bool = False, **unused):
+        self.model = _load_model(model_dir, getattr(torch, dtype), dummy_weights).eval()
         self.eos_token_id = self.model.generation_config.eos_token_id
-        self.guard = WeightUpdateGuard()
+        self.guard = WeightUpdateGuard(has_weights=not dummy_weights)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> RolloutOutput:
@@ -74,6 +75,15 @@ class HFRollout:
 
     def shutdown(self) -> None:
         pass
+
+
+def _load_model(model_dir: str, dtype: torch.dtype, dummy_weights: bool) -> torch.nn.Module:
+    if not dummy_weights:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
+    if os.path.isfile(os.path.join(model_dir, "generation_config.json")):  # its EOS, as from_pretrained reads it
+        model.generation_config = GenerationConfig.from_pretrained(model_dir)
+    return model
 
 
 def _filter(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:

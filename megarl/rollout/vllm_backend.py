@@ -43,7 +43,7 @@ def _preserve_process_state():
 @ROLLOUT_BACKENDS.register("vllm")
 class VLLMRollout:
     def __init__(self, model_dir: str, dtype: str, tensor_parallel_size: int, max_model_len: int,
-                 kv_cache_bytes: int, gpu_memory_utilization: float, seed: int):
+                 kv_cache_bytes: int, gpu_memory_utilization: float, seed: int, dummy_weights: bool = False):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         # Names vLLM's CPU shared-memory segments: unique per job so that jobs on one host never clash.
         os.environ.setdefault("VLLM_DIST_IDENT", f"megarl{os.environ.get('MASTER_PORT', os.getpid())}")
@@ -57,9 +57,10 @@ class VLLMRollout:
             self.llm = LLM(
                 model=model_dir, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
                 distributed_executor_backend="external_launcher", enforce_eager=not torch.cuda.is_available(),
-                max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs", **memory,
+                max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs",
+                load_format="dummy" if dummy_weights else "auto", **memory,
             )
-        self.guard = WeightUpdateGuard()
+        self.guard = WeightUpdateGuard(has_weights=not dummy_weights)
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> RolloutOutput:
         from vllm import SamplingParams, TokensPrompt
