@@ -133,14 +133,13 @@ class RLTrainer:
         trainer = self.config.trainer
         last = {}
         if self.val_data is not None and trainer.val_before_train and self.start_step == 1:
-            self.sync.sync(step=0)
-            self.tracker.log(self.validate(), step=0)
+            self.tracker.log(self.validate(step=0), step=0)
         for step in range(self.start_step, trainer.total_steps + 1):
             self.checkpointer.poll()
             last = self.step(step)
             if self.val_data is not None and (step == trainer.total_steps or
                                               (trainer.test_freq and step % trainer.test_freq == 0)):
-                last.update(self.validate())
+                last.update(self.validate(step))
             self.tracker.log(last, step)
             if trainer.save_freq and (step % trainer.save_freq == 0 or step == trainer.total_steps):
                 self.checkpointer.save(step, self._trainable(), {
@@ -291,7 +290,10 @@ class RLTrainer:
                 metrics[key if "/" in key else f"{prefix}/{key}"] = mean(h[key] for h in history)
         return metrics
 
-    def validate(self) -> dict[str, float]:
+    def validate(self, step: int) -> dict[str, float]:
+        """Validation of the weights as they are now: synced first, because after a step the engine
+        still holds the weights that step started from (a checkpoint of `step` holds the updated ones)."""
+        self.sync.sync(step)
         limit = self.config.data.max_val_samples or len(self.val_data)
         prompts = [self.val_data[i] for i in range(min(limit, len(self.val_data)))]
         rollouts = collect_rollouts(prompts, self.rollout, self._sampling(0, validation=True), self.config.rollout.tp,
