@@ -1,7 +1,12 @@
 """Generate n responses per prompt of a parquet file with the training rollout engine, and score them.
 
-    torchrun --nproc_per_node=N launchers/generate.py --model HF_DIR --data test.parquet \
+    torchrun --nproc_per_node=N launchers/generate.py --model HF_DIR|CHECKPOINT --data test.parquet \
         --output generations.jsonl [-n 4 --temperature 1.0 --backend vllm --engine-tp 1]
+
+--model is a HuggingFace directory, or a megarl checkpoint (`global_step_N`) whose actor is loaded
+the way the trainer feeds its rollout engine: the megatron-core actor is built at TP = --engine-tp
+(DP over the other ranks), reads its shards, and `WeightSync` reshards them into an engine started
+with dummy weights (a checkpoint's `hf/` holds config and tokenizer, no weight files).
 
 The prompts are read and tokenized as in training (`PromptDataset`: common parquet layout, chat
 template, prompts over --max-prompt-length dropped). Each engine replica (--engine-tp consecutive
@@ -16,16 +21,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
+from megarl.checkpoint.model_loading import load_model, model_problem
+from megarl.config.schema import RolloutConfig
 from megarl.data.dataset import PromptDataset, load_rows, write_rows
+from megarl.distributed import init_layout
 from megarl.distributed.launch import init_process_group
 from megarl.doctor import require
+from megarl.resharding.executor import WeightSync
 from megarl.rewards import RewardManager
-from megarl.rollout import ROLLOUT_BACKENDS, Sampling
+from megarl.rollout import ROLLOUT_BACKENDS, RolloutEngine, Sampling
 from megarl.trainer.rollouts import Rollouts, collect_rollouts
 
 from evaluate import scoring_function  # launchers/evaluate.py: this folder is first on sys.path
@@ -33,8 +43,8 @@ from evaluate import scoring_function  # launchers/evaluate.py: this folder is f
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="HuggingFace model directory (a megarl checkpoint as "
-                        "input comes with the checkpoint tools: convert it to HF first)")
+    parser.add_argument("--model", required=True, help="a HuggingFace model directory, or a megarl checkpoint "
+                        "(global_step_N) whose actor is resharded into the engine as in training")
     parser.add_argument("--data", required=True, nargs="+", help="parquet file(s) of prompts in the common layout")
     parser.add_argument("--output", required=True, help="generations file: .jsonl or .parquet")
     # Not "--n": torchrun reads it as an abbreviation of its own --nnodes/--nproc-per-node.
@@ -58,6 +68,46 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if Path(args.output).suffix not in (".jsonl", ".parquet"):
         parser.error(f"--output {args.output}: expected a .jsonl or .parquet file")
     return args
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    hf_dir: Path
+    """Config and tokenizer; also the weights when `checkpoint` is None."""
+    checkpoint: Path | None
+    """A megarl checkpoint whose actor supplies the weights."""
+
+
+def model_source(path: str) -> ModelSource:
+    """What --model names: a HF directory (config.json) or a complete megarl checkpoint with an actor."""
+    directory = Path(path)
+    if (directory / "config.json").is_file():
+        return ModelSource(directory, None)
+    problem = model_problem(directory, "actor")
+    if problem:
+        raise ValueError(f"--model {path}: expected a HuggingFace model directory (with config.json) or a megarl "
+                         f"checkpoint (global_step_N with an actor); not a checkpoint: {problem}")
+    return ModelSource(directory / "hf", directory)
+
+
+def make_engine(args: argparse.Namespace, model_dir: Path, dummy_weights: bool) -> RolloutEngine:
+    return ROLLOUT_BACKENDS.get(args.backend)(
+        str(model_dir), dtype=args.dtype, tensor_parallel_size=args.engine_tp,
+        max_model_len=args.max_prompt_length + args.max_response_length, kv_cache_bytes=args.kv_cache_mib << 20,
+        gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, dummy_weights=dummy_weights)
+
+
+def start_engine(args: argparse.Namespace, model: ModelSource) -> RolloutEngine:
+    """Join the torchrun world and start the rollout engine with the model's weights. A checkpoint's
+    actor gets the TP of the engine, so that every rank already holds the slices its engine rank needs."""
+    if model.checkpoint is None:
+        init_process_group()
+        return make_engine(args, model.hf_dir, dummy_weights=False)
+    layout = init_layout(tp=args.engine_tp)
+    actor, arch = load_model(model.checkpoint, "actor", layout, args.dtype)
+    engine = make_engine(args, model.hf_dir, dummy_weights=True)  # created after megatron's groups, as in training
+    WeightSync(actor, arch, layout, engine, args.engine_tp, RolloutConfig.bucket_mib << 20).sync(step=0)
+    return engine
 
 
 def output_rows(rollouts: Rollouts, n: int, raw_rows: list[dict], tokenizer) -> list[dict]:
@@ -85,14 +135,11 @@ def main(argv: list[str]) -> None:
         require(["core", "vllm"] if args.backend == "vllm" else ["core"])
     except RuntimeError as error:  # a missing package: one line with the fix
         sys.exit(str(error))
-    init_process_group()
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = model_source(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model.hf_dir)
     dataset = PromptDataset(args.data, tokenizer, args.max_prompt_length, args.apply_chat_template)
     prompts = dataset.prompts[: args.max_samples or None]
-    engine = ROLLOUT_BACKENDS.get(args.backend)(
-        args.model, dtype=args.dtype, tensor_parallel_size=args.engine_tp,
-        max_model_len=args.max_prompt_length + args.max_response_length, kv_cache_bytes=args.kv_cache_mib << 20,
-        gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed)
+    engine = start_engine(args, model)
     stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     sampling = Sampling(n=args.num_samples, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                         max_tokens=args.max_response_length, stop_token_ids=stop, seed=args.seed)
@@ -108,5 +155,5 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except ValueError as error:  # data and reward-function errors: one line naming the file
+    except ValueError as error:  # model, data and reward-function errors: one line naming the path
         sys.exit(f"megarl: {error}")
