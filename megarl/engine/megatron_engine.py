@@ -204,13 +204,18 @@ class MegatronEngine:
             )
 
         collected = self._run_schedule(batch, micro, collect, forward_only=True)
+        return self._gather_outputs(batch, ranks, micro, collected)
+
+    def _gather_outputs(self, batch: SequenceBatch, ranks: list[list[int]], micro: list[list[int]],
+                        per_micro_batch: list[dict]) -> dict[str, torch.Tensor]:
+        """This rank's per-micro-batch (b, R) outputs (on the last stage) -> full (B, R) tensors on every rank."""
         names = ("values",) if self.arch.value_model else ("logprobs", "entropy")
         width = batch.max_response_length
         mine = ranks[self.layout.dp_rank]
         local = {name: torch.zeros(len(mine), width, device=device()) for name in names}
         if self.layout.is_last_stage:
             row_of = {index: row for row, index in enumerate(mine)}
-            for indices, outputs in zip(micro, collected):
+            for indices, outputs in zip(micro, per_micro_batch):
                 rows = [row_of[index] for index in indices]
                 for name in names:
                     local[name][rows, : outputs[name].shape[1]] = outputs[name]
@@ -235,22 +240,30 @@ class MegatronEngine:
 
     # ---- training ---------------------------------------------------------------------------------
 
-    def train_mini_batch(self, batch: SequenceBatch, loss_fn: LossFn, temperature: float = 1.0) -> dict[str, float]:
-        """One optimizer step on `batch` (the whole mini-batch, on every rank); returns its metrics:
-        the loss terms summed over micro-batches and DP ranks, grad norm, learning rate, DP imbalance."""
+    def train_mini_batch(self, batch: SequenceBatch, loss_fn: LossFn, temperature: float = 1.0,
+                         keep_outputs: bool = False) -> tuple[dict[str, float], dict[str, torch.Tensor] | None]:
+        """One optimizer step on `batch` (the whole mini-batch, on every rank). Returns its metrics (the
+        loss terms summed over micro-batches and DP ranks, grad norm, learning rate, DP imbalance) and,
+        with `keep_outputs`, the forward's per-token outputs as `score()` gives them: the model's
+        before this step, at no extra cost."""
         assert self.optimizer is not None, "engine was built without an optimizer (inference only)"
         self.model.train()
         ranks, micro = self._plan(batch)
         normalizer = LossNormalizer(int(batch.response_lengths_B.sum()), len(batch))
+        kept = []
 
         def loss_func(micro_batch, output):
-            loss, metrics = loss_fn(self._response_outputs(micro_batch, output, temperature), micro_batch, normalizer)
+            outputs = self._response_outputs(micro_batch, output, temperature)
+            if keep_outputs:
+                kept.append({name: value.detach() for name, value in outputs.items()})
+            loss, metrics = loss_fn(outputs, micro_batch, normalizer)
             reported = {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
             return loss, torch.tensor(int(micro_batch.response_lengths_B.sum())), reported
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         collected = self._run_schedule(batch, micro, loss_func, forward_only=False)
+        outputs = self._gather_outputs(batch, ranks, micro, kept) if keep_outputs else None
         update_successful, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         metrics = self._reduce_metrics(collected)
@@ -260,7 +273,7 @@ class MegatronEngine:
             update_skipped=float(not update_successful),
             dp_token_imbalance=token_imbalance(batch.sequence_lengths_B, ranks),
         )
-        return metrics
+        return metrics, outputs
 
     def _reduce_metrics(self, collected: list[dict]) -> dict[str, float]:
         """Sum metric contributions over micro-batches and DP on the last stage, share over PP."""
@@ -277,18 +290,31 @@ class MegatronEngine:
             metrics = box[0]
         return metrics
 
+    def is_single_step(self, batch_size: int, samples_per_prompt: int) -> bool:
+        """Whether `update` on a batch of `batch_size` sequences is one optimizer step on all of it."""
+        return self.config.ppo_epochs == 1 and self.config.ppo_mini_batch_size * samples_per_prompt >= batch_size
+
     def update(self, batch: SequenceBatch, loss_fn: LossFn, samples_per_prompt: int, seed: int,
-               temperature: float = 1.0) -> list[dict[str, float]]:
+               temperature: float = 1.0, keep_outputs: bool = False
+               ) -> tuple[list[dict[str, float]], dict[str, torch.Tensor] | None]:
         """`ppo_epochs` passes over `batch` in shuffled mini-batches of `ppo_mini_batch_size` prompts
-        (times `samples_per_prompt` sequences): every sequence is used exactly once per epoch."""
+        (times `samples_per_prompt` sequences): every sequence is used exactly once per epoch.
+        Returns the metrics of every step and, with `keep_outputs` (single-step updates only), the
+        per-token outputs of the model before the step, in batch order (what `score()` would give)."""
+        if keep_outputs and not self.is_single_step(len(batch), samples_per_prompt):
+            raise ValueError("keep_outputs needs an update of one optimizer step on the whole batch")
         mini_batch = self.config.ppo_mini_batch_size * samples_per_prompt
-        history = []
+        history, outputs = [], None
         for epoch in range(self.config.ppo_epochs):
             order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
             for start in range(0, len(batch), mini_batch):
-                history.append(self.train_mini_batch(batch.select(order[start : start + mini_batch]), loss_fn,
-                                                     temperature))
-        return history
+                indices = order[start : start + mini_batch]
+                metrics, kept = self.train_mini_batch(batch.select(indices), loss_fn, temperature, keep_outputs)
+                history.append(metrics)
+                if kept is not None:
+                    outputs = {name: torch.empty_like(value).index_copy_(0, indices, value)
+                               for name, value in kept.items()}
+        return history, outputs
 
 
 def _finalize_without_token_scaling(model, num_tokens=None, pg_collection=None, **kwargs):

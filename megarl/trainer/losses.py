@@ -40,12 +40,14 @@ def actor_loss(config: ActorConfig, max_response_length: int) -> LossFn:
             return aggregate(values_BR, mask_BR, config.loss_agg_mode, normalizer.num_tokens,
                              normalizer.num_sequences, max_response_length)
 
+        # Without old log-probs the trainer skipped scoring because this is the update's only step: the
+        # policy being trained is still the one the batch is scored against, so they are its own.
+        old_BR = tensors["old_logprobs"] if "old_logprobs" in tensors else outputs["logprobs"].detach()
         weights_BR = None
         if config.tis_cap > 0:
-            weights_BR = truncated_importance_weights(tensors["old_logprobs"], tensors["rollout_logprobs"],
-                                                      mask_BR, config.tis_cap)
-        pg_BR, pg_metrics = policy_loss(outputs["logprobs"], tensors["old_logprobs"], tensors["advantages"],
-                                        mask_BR, params, weights_BR)
+            weights_BR = truncated_importance_weights(old_BR, tensors["rollout_logprobs"], mask_BR, config.tis_cap)
+        pg_BR, pg_metrics = policy_loss(outputs["logprobs"], old_BR, tensors["advantages"], mask_BR, params,
+                                        weights_BR)
         pg_loss, entropy = mean(pg_BR), mean(outputs["entropy"])
         loss = pg_loss - config.entropy_coeff * entropy
         metrics = {"actor/pg_loss": pg_loss.detach(), "actor/entropy": entropy.detach()}

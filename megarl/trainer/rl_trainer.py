@@ -165,9 +165,13 @@ class RLTrainer:
         batch = rollouts.to_batch(self.pad_token_id)
         self._check(batch, "rollout", ("rollout_logprobs",))
         temperature = self.config.rollout.temperature
+        # A single-step actor update computes the old log-probs in its own forward: no scoring pass.
+        old_from_update = (self.actor.is_single_step(len(batch), self.config.rollout.n)
+                           and not self.config.algorithm.use_kl_in_reward)
         with timer("score"):
-            scored = self.actor.score(batch, temperature)
-            batch.response_tensors["old_logprobs"] = scored["logprobs"]
+            if not old_from_update:
+                scored = self.actor.score(batch, temperature)
+                batch.response_tensors["old_logprobs"] = scored["logprobs"]
             if self.reference is not None:
                 batch.response_tensors["ref_logprobs"] = self.reference.score(batch, temperature)["logprobs"]
             if self.critic is not None:
@@ -175,18 +179,23 @@ class RLTrainer:
             scores = torch.tensor(rollouts.scores)
             if self.reward_model is not None:
                 scores = scores + self._reward_model_scores(batch)
-        self._check(batch, "score", ("old_logprobs",))
+        self._check(batch, "score", () if old_from_update else ("old_logprobs",))
         with timer("advantage"):
             advantage_metrics = self._advantages(batch, rollouts, scores, baseline_B)
         self._check(batch, "advantage", ("advantages", "returns"))
         with timer("update_actor"):
-            actor_history = self.actor.update(batch, actor_loss(self.config.actor, self.config.data.max_response_length),
-                                              self.config.rollout.n, seed=step, temperature=temperature)
+            loss = actor_loss(self.config.actor, self.config.data.max_response_length)
+            actor_history, kept = self.actor.update(batch, loss, self.config.rollout.n, seed=step,
+                                                    temperature=temperature, keep_outputs=old_from_update)
+        if old_from_update:
+            scored = kept
+            batch.response_tensors["old_logprobs"] = scored["logprobs"]
+            self._check(batch, "update_actor", ("old_logprobs",))
         critic_history = []
         if self.critic is not None:
             with timer("update_critic"):
-                critic_history = self.critic.update(batch, critic_loss(self.config.critic), self.config.rollout.n,
-                                                    seed=step)
+                critic_history, _ = self.critic.update(batch, critic_loss(self.config.critic), self.config.rollout.n,
+                                                       seed=step)
         self.rollout.wake_up()
         return self._metrics(step, batch, rollouts, scores, scored, sync, rounds, timer, advantage_metrics,
                              actor_history, critic_history)

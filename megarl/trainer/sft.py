@@ -58,7 +58,7 @@ class SFTTrainer:
 
     def fit(self) -> None:
         for step in range(1, self.config.trainer.total_steps + 1):
-            metrics = self.engine.train_mini_batch(self.batch(self.sampler.next_batch()), negative_log_likelihood)
+            metrics, _ = self.engine.train_mini_batch(self.batch(self.sampler.next_batch()), negative_log_likelihood)
             self.tracker.log({"sft/nll": metrics["sft/nll"], "actor/grad_norm": metrics["grad_norm"],
                               "actor/lr": metrics["lr"]}, step)
         export_hf(self.engine.module, self.engine.arch, self.layout, str(self.run_dir / "hf"), self.config.model.path)

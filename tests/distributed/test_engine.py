@@ -45,6 +45,7 @@ def baseline(tiny_models, tmp_path_factory):
 def test_tp1_scores_match_transformers_and_the_step_moves_weights(baseline, tiny_models):
     report, weights = baseline
     assert report["logprob_entropy_diff"] <= 1e-4 and report["value_diff"] <= 1e-4
+    assert report["kept_outputs_vs_score"] <= 1e-5
     source = _weights(tiny_models["qwen3-untied"])
     moved = max(float((weights[name] - source[name]).abs().max()) for name in source)
     assert 5e-4 < moved < 2e-3  # an AdamW step of lr 1e-3 moves weights by about lr
@@ -63,6 +64,7 @@ def test_layout_matches_transformers_and_tp1_step(baseline, tiny_models, tmp_pat
     nproc, extra = LAYOUTS[layout]
     report = _run(tiny_models, tmp_path, nproc, extra)
     assert report["logprob_entropy_diff"] <= 1e-4 and report["value_diff"] <= 1e-4
+    assert report["kept_outputs_vs_score"] <= 1e-5
     assert report["loss"] == pytest.approx(base_report["loss"], abs=1e-5)
     assert report["grad_norm"] == pytest.approx(base_report["grad_norm"], rel=1e-5)
     weights = _weights(tmp_path)

@@ -1,4 +1,5 @@
-"""Engine checks at one layout: scoring vs `transformers`, then one optimizer step, exported to HF.
+"""Engine checks at one layout: scoring vs `transformers`, then one optimizer step (whose kept
+forward outputs must equal the scores), exported to HF.
 
 Prints one JSON line (rank 0) with the max differences and the step's metrics; the test compares
 the exported weights across layouts.
@@ -83,7 +84,9 @@ def nll_with_entropy_bonus(outputs, micro_batch, normalizer):
     return nll - 0.01 * entropy, {"entropy": entropy}
 
 
-metrics = policy.train_mini_batch(batch, nll_with_entropy_bonus, temperature=TEMPERATURE)
+metrics, before_step = policy.train_mini_batch(batch, nll_with_entropy_bonus, temperature=TEMPERATURE,
+                                               keep_outputs=True)
+report["kept_outputs_vs_score"] = max_diff(before_step, scores)  # the trainer's old log-probs, for free
 export_hf(policy.module, policy.arch, layout, args.out, args.policy)
 report.update(metrics)
 report["offload_bytes"] = policy.memory.offload()  # on CPU: what would move

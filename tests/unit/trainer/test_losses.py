@@ -1,0 +1,44 @@
+"""The actor loss without recorded old log-probs: the update's own forward stands in for them."""
+
+import torch
+
+from megarl.config.schema import ActorConfig
+from megarl.engine.batch import SequenceBatch
+from megarl.engine.megatron_engine import LossNormalizer
+from megarl.trainer.losses import actor_loss
+
+
+def _batch() -> SequenceBatch:
+    generator = torch.Generator().manual_seed(0)
+    response_lengths = torch.tensor([3, 5, 1, 4])
+    batch = SequenceBatch(torch.randint(0, 50, (4, 9), generator=generator), torch.tensor([2, 4, 3, 5]),
+                          response_lengths)
+    mask = batch.response_mask_BR
+    batch.response_tensors["advantages"] = torch.randn(4, 5, generator=generator) * mask
+    batch.response_tensors["rollout_logprobs"] = -torch.rand(4, 5, generator=generator) * mask
+    return batch
+
+
+def _loss_and_grad(config: ActorConfig, batch: SequenceBatch, logprobs: torch.Tensor):
+    logprobs = logprobs.clone().requires_grad_()
+    outputs = {"logprobs": logprobs, "entropy": torch.rand(4, 5, generator=torch.Generator().manual_seed(1))}
+    normalizer = LossNormalizer(int(batch.response_lengths_B.sum()), len(batch))
+    loss, metrics = actor_loss(config, max_response_length=5)(outputs, batch, normalizer)
+    loss.backward()
+    return loss.detach(), logprobs.grad, metrics
+
+
+def test_missing_old_logprobs_are_the_forwards_own():
+    config = ActorConfig(tis_cap=2.0)  # the importance weights use the old log-probs too
+    logprobs = -torch.rand(4, 5, generator=torch.Generator().manual_seed(2)) * _batch().response_mask_BR
+    recorded = _batch()
+    recorded.response_tensors["old_logprobs"] = logprobs.clone()
+    expected = _loss_and_grad(config, recorded, logprobs)
+    actual = _loss_and_grad(config, _batch(), logprobs)
+    assert torch.equal(actual[0], expected[0]) and torch.equal(actual[1], expected[1])
+    assert actual[2].keys() == expected[2].keys()
+    # An independent value: at ratio 1 the gradient is -advantage / tokens on every response token.
+    batch = _batch()
+    tokens = int(batch.response_lengths_B.sum())
+    weights = torch.exp(logprobs - batch.response_tensors["rollout_logprobs"]).clamp(max=2.0)
+    assert torch.allclose(actual[1], -batch.response_tensors["advantages"] * weights * batch.response_mask_BR / tokens)
