@@ -98,12 +98,29 @@ def main() -> None:
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         beta=0.0, loss_type="dapo", scale_rewards="group",  # = megarl's grpo with token-mean, no KL
     )
-    trainer = GRPOTrainer(model=model, reward_funcs=correct, args=config, train_dataset=Dataset.from_dict(load_task(args.train)),
-                          processing_class=tokenizer, callbacks=[record])
+    trainer = GRPOTrainer(model=model, reward_funcs=correct, args=config,
+                          train_dataset=Dataset.from_dict(load_task(args.train)), processing_class=tokenizer,
+                          callbacks=[record])
+    generation_seconds = time_calls(trainer, "_generate_and_score_completions")
     trainer.train()
     tokens = [b - a for a, b in zip([0.0] + record.tokens_seen, record.tokens_seen)]
     Path(args.output).write_text(json.dumps({"step_seconds": record.step_seconds, "step_tokens": tokens,
-                                             "accuracy": record.accuracy}))
+                                             "accuracy": record.accuracy, "generation_seconds": generation_seconds}))
+
+
+def time_calls(trainer, method: str) -> list[float]:
+    """Wrap one of the trainer's methods to record the seconds of each call (a profile of its step:
+    TRL generates, scores and computes advantages in `_generate_and_score_completions`)."""
+    seconds, original = [], getattr(trainer, method)
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        result = original(*args, **kwargs)
+        seconds.append(time.perf_counter() - start)
+        return result
+
+    setattr(trainer, method, timed)
+    return seconds
 
 
 if __name__ == "__main__":

@@ -71,8 +71,11 @@ def bench_python() -> Path:
     python, stamp = BENCH_ENV / "bin/python", BENCH_ENV / ".installed"
     if not stamp.is_file() or stamp.stat().st_mtime < REQUIREMENTS.stat().st_mtime:
         print(f"installing the bench environment {BENCH_ENV} from {REQUIREMENTS.name} ...", flush=True)
+        (ROOT / "outputs/bench").mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, "-m", "venv", str(BENCH_ENV)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "-r", str(REQUIREMENTS)], check=True)
+        with (ROOT / "outputs/bench/bench_env_install.log").open("w") as log:
+            subprocess.run([str(python), "-m", "pip", "install", "--quiet", "-r", str(REQUIREMENTS)], check=True,
+                           stdout=log, stderr=subprocess.STDOUT)
         stamp.touch()
     return python
 
@@ -103,8 +106,11 @@ def run_trl(model: Path, steps: int, eval_every: int) -> Contender:
                 "--prompts-per-step", str(PROMPTS_PER_STEP), "--samples", str(SAMPLES),
                 "--max-response-length", str(RESPONSE_LENGTH), "--lr", str(LR), "--seed", str(SEED)], OUT / "trl.log")
     result = json.loads(record.read_text())
+    generation = statistics.mean(result["generation_seconds"])
+    phases = {"generate+reward+advantage": generation,
+              "forward+backward+optimizer": statistics.mean(result["step_seconds"]) - generation}
     return Contender("TRL GRPOTrainer, 1 process", result["step_seconds"], result["step_tokens"],
-                     [tuple(a) for a in result["accuracy"]], wall)
+                     [tuple(a) for a in result["accuracy"]], wall, phases)
 
 
 def run_megarl(model: Path, nproc: int, steps: int, eval_every: int) -> Contender:
@@ -113,6 +119,7 @@ def run_megarl(model: Path, nproc: int, steps: int, eval_every: int) -> Contende
         "launchers/train_ppo.py", "--config", "configs/quickstart.yaml", f"model.path={model}",
         f"data.train_files=[{OUT / 'data/train.parquet'}]", f"data.val_files=[{OUT / 'data/test.parquet'}]",
         f"data.train_batch_size={PROMPTS_PER_STEP}", f"actor.ppo_mini_batch_size={PROMPTS_PER_STEP}",
+        f"actor.micro_batch_size_per_rank={PROMPTS_PER_STEP * SAMPLES}",  # one micro-batch, as TRL's one batch
         f"rollout.n={SAMPLES}", f"data.max_response_length={RESPONSE_LENGTH}",
         f"data.max_prompt_length={PROMPT_LENGTH}", f"actor.optim.lr={LR}", f"data.max_val_samples={NUM_TEST}",
         f"trainer.total_steps={steps}", f"trainer.test_freq={eval_every}", f"trainer.seed={SEED}",
@@ -158,16 +165,16 @@ def report(contenders: list[Contender], threshold: float) -> None:
               f"{c.wall_seconds:10.0f}")
     ratio = contenders[1].tokens_per_second() / trl.tokens_per_second()
     print(f"target megarl/TRL tokens/s >= 2 at one process each: {ratio:.2f} ({'met' if ratio >= 2 else 'MISSED'})")
-    for c in contenders[1:]:
+    for c in contenders:
         print(f"{c.name} mean seconds per phase: " + ", ".join(f"{k} {v:.3f}" for k, v in c.phases.items()))
     (OUT / "results.json").write_text(json.dumps([c.__dict__ for c in contenders], indent=1))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--eval-every", type=int, default=25)
-    parser.add_argument("--threshold", type=float, default=0.60, help="held-out greedy accuracy")
+    parser.add_argument("--threshold", type=float, default=0.58, help="held-out greedy accuracy")
     args = parser.parse_args()
     bench_python()
     model = prepare()

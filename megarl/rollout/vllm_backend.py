@@ -4,6 +4,7 @@ vLLM joins the existing process group (`external_launcher`) and builds its own g
 it must be created after ours. Creating it has process-wide side effects that we undo: it reseeds
 the python/numpy/torch RNGs, replaces `torch.set_num_threads` with a no-op and freezes the GC.
 Logprobs are the *processed* ones (after temperature), the distribution tokens were sampled from.
+Responses come back as token ids only (no detokenization: the trainer decodes once, for rewards).
 On GPU the engine sleeps while the trainer runs (KV cache and weights freed) and wakes for sync.
 """
 
@@ -70,7 +71,7 @@ class VLLMRollout:
             SamplingParams(
                 n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                 max_tokens=sampling.max_tokens, stop_token_ids=list(sampling.stop_token_ids),
-                seed=sampling.seed + i, logprobs=0,
+                seed=sampling.seed + i, logprobs=0, detokenize=False,
             )
             for i in range(len(prompts))
         ]
