@@ -109,12 +109,15 @@ class RLTrainer:
                               value_head=value)
 
     def _rollout_engine(self):
+        """The engine starts with dummy weights: every generation follows a sync from the actor, so
+        reading the checkpoint's weights a second time (minutes for a large model) would be wasted."""
         rollout, data = self.config.rollout, self.config.data
         backend = ROLLOUT_BACKENDS.get(rollout.backend)
         return backend(self.config.model.path, dtype=self.config.model.dtype, tensor_parallel_size=rollout.tp,
                        max_model_len=data.max_prompt_length + data.max_response_length,
                        kv_cache_bytes=rollout.kv_cache_mib << 20,
-                       gpu_memory_utilization=rollout.gpu_memory_utilization, seed=self.config.trainer.seed)
+                       gpu_memory_utilization=rollout.gpu_memory_utilization, seed=self.config.trainer.seed,
+                       dummy_weights=True)
 
     def _sampling(self, step: int, validation: bool) -> Sampling:
         rollout = self.config.rollout
