@@ -17,14 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
-from pathlib import Path
 
-from bench_model import BENCH_MODEL as MODEL, ensure_bench_model  # bench/ is first on sys.path
+from common import BENCH_MODEL as MODEL, ROOT, ensure_bench_model, launch, torchrun
 
-ROOT = Path(__file__).resolve().parents[1]
 NUM_PROMPTS, NEW_TOKENS = 32, 64
 RESULTS = ROOT / "outputs/bench/resharding.json"  # read by bench/resharding_cost_model.py
 
@@ -126,14 +123,6 @@ def rollout_worker(kind: str) -> None:
     os._exit(0)
 
 
-def launch(command: list[str], marker: str, env: dict) -> object:
-    output = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
-    lines = [l for l in output.stdout.splitlines() if l.startswith(marker)]
-    if output.returncode != 0 or not lines:
-        sys.exit(f"{' '.join(command)} failed:\n{output.stdout[-3000:]}\n{output.stderr[-5000:]}")
-    return json.loads(lines[0].removeprefix(marker + " "))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bucket-mib", type=int, default=16)
@@ -144,13 +133,10 @@ def main() -> None:
     if args.worker:
         return rollout_worker(args.worker)
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     ensure_bench_model()
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    ranks = launch(torchrun + ["--nproc_per_node=4", __file__, "--worker", "sync", "--bucket-mib", str(args.bucket_mib)],
-                   "SYNC", env)
-    megarl = launch(torchrun + ["--nproc_per_node=1", __file__, "--worker", "megarl"], "ROLLOUT", env)
-    standalone = launch([sys.executable, __file__, "--worker", "vllm"], "ROLLOUT", env)
+    ranks = launch(torchrun(4) + [__file__, "--worker", "sync", "--bucket-mib", str(args.bucket_mib)], "SYNC")
+    megarl = launch(torchrun(1) + [__file__, "--worker", "megarl"], "ROLLOUT")
+    standalone = launch([sys.executable, __file__, "--worker", "vllm"], "ROLLOUT")
 
     busiest = max(ranks, key=lambda r: r["bytes_received"])
     seconds = max(r["seconds"] for r in ranks)

@@ -2,7 +2,7 @@
 
     python bench/train_overhead.py [--tp 2]
 
-Both run in the same torchrun processes (one per TP rank) on the same ~30M-parameter Qwen2 (bench/bench_model.py),
+Both run in the same torchrun processes (one per TP rank) on the same ~30M-parameter Qwen2 (bench/common.py),
 loaded twice: megarl's `MegatronEngine.update` with the PPO-clip actor loss (ratio, clipping,
 entropy through the chunked vocab-parallel kernel, global token normalisation, metrics), and a
 loop written directly against megatron-core (DDP, `get_megatron_optimizer`, the pipeline
@@ -15,13 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 SEQUENCES, MICRO_BATCH, PROMPT_LENGTH, MAX_RESPONSE, STEPS, WARMUP = 32, 8, 32, 96, 6, 1
 
 
@@ -47,7 +42,7 @@ class PlainMegatronLoop:
     """A policy-gradient step the way a megatron-core user would write it, with nothing of megarl's
     engine: padded micro-batches, token log-probs from `vocab_parallel_cross_entropy`."""
 
-    def __init__(self, module, lr: float, layout):
+    def __init__(self, module, lr: float):
         import torch
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -56,7 +51,6 @@ class PlainMegatronLoop:
         self.model = DistributedDataParallel(module.config, DistributedDataParallelConfig(), module)
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=lr, clip_grad=1.0, params_dtype=torch.float32), [self.model])
-        self.layout = layout
 
     def step(self, batch) -> None:
         import torch
@@ -103,7 +97,7 @@ def worker(model_dir: str, tp: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from megarl.config.schema import ActorConfig, EngineConfig, ModelConfig, OptimizerConfig
+    from megarl.config.schema import ActorConfig, ModelConfig, OptimizerConfig
     from megarl.distributed import init_layout
     from megarl.engine.megatron_engine import MegatronEngine
     from megarl.models.hf_interop import load_hf_model
@@ -114,7 +108,7 @@ def worker(model_dir: str, tp: int) -> None:
     config = ActorConfig(optim=OptimizerConfig(lr=1e-6), ppo_mini_batch_size=SEQUENCES,
                          micro_batch_size_per_rank=MICRO_BATCH)
     engine = MegatronEngine(layout, ModelConfig(path=model_dir), config, total_optimizer_steps=STEPS + WARMUP)
-    plain = PlainMegatronLoop(load_hf_model(model_dir, layout)[0], lr=1e-6, layout=layout)
+    plain = PlainMegatronLoop(load_hf_model(model_dir, layout)[0], lr=1e-6)
     batch = make_batch(engine.arch.vocab_size)
     batch.response_tensors["old_logprobs"] = engine.score(batch)["logprobs"]
     loss = actor_loss(config, MAX_RESPONSE)
@@ -143,17 +137,10 @@ def main() -> None:
     if args.worker:
         return worker(args.worker, args.tp)
 
-    from bench_model import ensure_bench_model
+    from common import ensure_bench_model, launch, torchrun
 
     model = ensure_bench_model()
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.tp}",
-               __file__, "--worker", str(model), "--tp", str(args.tp)]
-    output = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
-    lines = [line for line in output.stdout.splitlines() if line.startswith("OVERHEAD ")]
-    if output.returncode != 0 or not lines:
-        sys.exit(f"{' '.join(command)} failed:\n{output.stdout[-3000:]}\n{output.stderr[-5000:]}")
-    result = json.loads(lines[0].removeprefix("OVERHEAD "))
+    result = launch(torchrun(args.tp) + [__file__, "--worker", str(model), "--tp", str(args.tp)], "OVERHEAD")
     median = {name: sorted(values)[len(values) // 2] for name, values in result["seconds"].items()}
     rate = {name: result["tokens"] / seconds for name, seconds in median.items()}
     ratio = rate["megarl"] / rate["plain"]

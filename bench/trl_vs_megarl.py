@@ -28,7 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from common import ROOT, torchrun
+
 OUT = ROOT / "outputs/bench/trl_vs_megarl"
 BENCH_ENV = ROOT / ".venv-bench"
 REQUIREMENTS = ROOT / "bench/requirements-trl.txt"
@@ -92,10 +93,6 @@ def prepare() -> Path:
                        f"trainer.output_dir={OUT}", "trainer.experiment_name=sft", "trainer.loggers=[console]"],
         OUT / "sft.log")
     return OUT / "sft/hf"
-
-
-def torchrun(nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
 
 
 def run_trl(model: Path, steps: int, eval_every: int) -> Contender:
