@@ -4,7 +4,9 @@
 
 The tokenizer (built with `tokenizers`) has one token per printable ASCII character plus chat
 special tokens and a chat template; its 101 tokens are deliberately not a multiple of any TP size,
-so vocabulary padding is always exercised. Every weight, including norms and biases, is random
+so vocabulary padding is always exercised. With --bos it also has a BOS token (102 tokens) that its
+post-processor prepends to every encoded text, as Llama's and Mistral's tokenizers do, and that its
+chat template renders (tokenizing the rendered template must then add no special tokens). Every weight, including norms and biases, is random
 (HF initialises norms to one and biases to zero, which would hide mapping mistakes).
 """
 
@@ -14,7 +16,7 @@ import argparse
 import string
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -24,6 +26,7 @@ from transformers import (
 )
 
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
+BOS_TOKEN = "<|bos|>"
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -31,19 +34,25 @@ CHAT_TEMPLATE = (
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
-def make_tokenizer() -> PreTrainedTokenizerFast:
+def make_tokenizer(bos: bool = False) -> PreTrainedTokenizerFast:
+    """The character-level tokenizer; `bos`: one that prepends BOS to every text it encodes."""
     characters = sorted(set(string.printable) - set("\t\r\x0b\x0c"))
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + characters)}
+    special_tokens = SPECIAL_TOKENS + ([BOS_TOKEN] if bos else [])
+    vocab = {token: i for i, token in enumerate(special_tokens + characters)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<|unk|>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
-    tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    tokenizer.add_special_tokens(special_tokens)
+    if bos:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A $B:1", special_tokens=[(BOS_TOKEN, vocab[BOS_TOKEN])])
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         pad_token="<|pad|>",
         eos_token="<|endoftext|>",
         unk_token="<|unk|>",
-        chat_template=CHAT_TEMPLATE,
+        bos_token=BOS_TOKEN if bos else None,
+        chat_template=("{{ bos_token }}" if bos else "") + CHAT_TEMPLATE,
     )
 
 
@@ -68,7 +77,7 @@ def make_config(args, tokenizer: PreTrainedTokenizerFast):
         num_labels=1,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
+        bos_token_id=tokenizer.bos_token_id,
     )
 
 
@@ -111,9 +120,10 @@ def main(argv=None) -> None:
     parser.add_argument("--init-std", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-shard-size", default="50MB", help="shard the safetensors above this size")
+    parser.add_argument("--bos", action="store_true", help="a tokenizer whose post-processor prepends a BOS token")
     args = parser.parse_args(argv)
 
-    tokenizer = make_tokenizer()
+    tokenizer = make_tokenizer(args.bos)
     config = make_config(args, tokenizer)
     model_class = AutoModelForTokenClassification if args.value_model else AutoModelForCausalLM
     model = model_class.from_config(config, dtype=torch.float32)

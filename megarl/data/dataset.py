@@ -20,6 +20,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from megarl.data.tokenization import prompt_ids
+
 logger = logging.getLogger(__name__)
 
 REQUIRED_COLUMNS = ("prompt", "data_source", "reward_model")
@@ -152,8 +154,8 @@ class PromptDataset:
 
     Chat messages go through the tokenizer's chat template (with the generation prompt) when
     `apply_chat_template` is set and the tokenizer has one; otherwise, and always for a plain
-    string prompt, the raw text is used (message contents joined by newlines). Tokenization adds
-    no special tokens: the template (or the raw text) already holds whatever the model expects.
+    string prompt, the raw text is used (message contents joined by newlines). Special tokens are
+    those of the template, or the tokenizer's for raw text (`megarl.data.tokenization`).
     """
 
     def __init__(self, files: list[str], tokenizer, max_prompt_length: int, apply_chat_template: bool = True):
@@ -161,11 +163,10 @@ class PromptDataset:
             raise ValueError(f"max_prompt_length must be at least 1, got {max_prompt_length}")
         self.files = [str(f) for f in ([files] if isinstance(files, (str, Path)) else files)]
         rows = load_rows(self.files)
-        use_template = apply_chat_template and getattr(tokenizer, "chat_template", None) is not None
-        texts = [self._render(row["prompt"], tokenizer, use_template) for row in rows]
-        all_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        all_ids = prompt_ids([row["prompt"] for row in rows], tokenizer, apply_chat_template,
+                             source=", ".join(self.files))
         self.prompts = [
-            Prompt(list(ids), row["data_source"], row["reward_model"]["ground_truth"], row["extra_info"], index)
+            Prompt(ids, row["data_source"], row["reward_model"]["ground_truth"], row["extra_info"], index)
             for index, (row, ids) in enumerate(zip(rows, all_ids)) if len(ids) <= max_prompt_length
         ]
         self.num_filtered = len(rows) - len(self.prompts)
@@ -175,14 +176,6 @@ class PromptDataset:
         if self.num_filtered:
             logger.warning("filtered %d of %d prompts longer than %d tokens from %s",
                            self.num_filtered, len(rows), max_prompt_length, ", ".join(self.files))
-
-    @staticmethod
-    def _render(prompt: list[dict] | str, tokenizer, use_template: bool) -> str:
-        if isinstance(prompt, str):
-            return prompt
-        if use_template:
-            return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-        return "\n".join(message["content"] for message in prompt)
 
     def __len__(self) -> int:
         return len(self.prompts)

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
+from megarl.data.tokenization import prompt_ids
 from megarl.distributed.launch import device
 from megarl.distributed.layout import ParallelLayout
 from megarl.engine.forward import forward_outputs, gather_vocab
@@ -24,7 +25,7 @@ PROMPTS = (
 def tokenize(model_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded token ids (B, T) of the check prompts and the mask of real tokens."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    ids = prompt_ids(list(PROMPTS), tokenizer, apply_chat_template=False)
     tokens_BT = torch.full((len(ids), max(map(len, ids))), tokenizer.pad_token_id or 0)
     mask_BT = torch.zeros_like(tokens_BT, dtype=torch.bool)
     for i, row in enumerate(ids):

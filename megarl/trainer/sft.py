@@ -1,9 +1,10 @@
 """Supervised fine-tuning on the RL data layout: a warm start for RL.
 
 Each prompt is followed by its reference response (`extra_info["answer"]` when the data has one,
-else the ground truth) and the end-of-text token; the loss is the token-mean negative
-log-likelihood of the response tokens. The result is exported as a HF checkpoint in
-`<run_dir>/hf`, ready to be `model.path` of an RL run.
+else the ground truth) and the end-of-text token. The prompt is tokenized as RL and generation
+tokenize it (its special tokens included); the response continues it, so it gets none. The loss
+is the token-mean negative log-likelihood of the response tokens. The result is exported as a HF
+checkpoint in `<run_dir>/hf`, ready to be `model.path` of an RL run.
 """
 
 from __future__ import annotations
@@ -12,13 +13,20 @@ import torch
 from transformers import AutoTokenizer
 
 from megarl.algorithms import aggregate
-from megarl.data.dataset import PromptDataset
+from megarl.data.dataset import Prompt, PromptDataset
 from megarl.data.sampler import ResumableSampler
+from megarl.data.tokenization import continuation_ids
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.megatron_engine import MegatronEngine
 from megarl.models.hf_interop import export_hf
 from megarl.tracking import Tracker
 from megarl.trainer.startup import Run
+
+
+def response_ids(prompt: Prompt, tokenizer, max_response_length: int) -> list[int]:
+    """The reference response of `prompt` as ids, cut to leave room for the end-of-text token."""
+    text = prompt.extra_info.get("answer", prompt.ground_truth) if prompt.extra_info else prompt.ground_truth
+    return continuation_ids(str(text), tokenizer)[: max_response_length - 1] + [tokenizer.eos_token_id]
 
 
 def negative_log_likelihood(outputs, micro_batch, normalizer):
@@ -34,7 +42,8 @@ class SFTTrainer:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
         self.data = PromptDataset(config.data.train_files, self.tokenizer, config.data.max_prompt_length,
                                   config.data.apply_chat_template)
-        self.responses = [self._response_ids(self.data[i]) for i in range(len(self.data))]
+        self.responses = [response_ids(prompt, self.tokenizer, config.data.max_response_length)
+                          for prompt in self.data.prompts]
         self.sampler = ResumableSampler(len(self.data), config.data.train_batch_size, config.trainer.seed,
                                         shuffle=config.data.shuffle)
         self.engine = MegatronEngine(self.layout, config.model, config.actor,
@@ -42,11 +51,6 @@ class SFTTrainer:
         self.tracker = Tracker(config.trainer.loggers, self.run_dir,
                                config.trainer.experiment_name, config.trainer.mlflow_tracking_uri, config,
                                is_writer=self.layout.rank == 0)
-
-    def _response_ids(self, prompt) -> list[int]:
-        text = prompt.extra_info.get("answer", prompt.ground_truth) if prompt.extra_info else prompt.ground_truth
-        ids = self.tokenizer(str(text), add_special_tokens=False)["input_ids"]
-        return ids[: self.config.data.max_response_length - 1] + [self.tokenizer.eos_token_id]
 
     def batch(self, indices: list[int]) -> SequenceBatch:
         sequences = [self.data[i].prompt_ids + self.responses[i] for i in indices]
