@@ -23,9 +23,7 @@ from megarl.algorithms import (
     AdaptiveKLController,
     AdvantageInputs,
     FixedKLController,
-    keep_informative_groups,
     kl_penalty_rewards,
-    overlong_penalty,
     rollout_mismatch_metrics,
 )
 from megarl.checkpoint import Checkpointer
@@ -41,6 +39,7 @@ from megarl.trainer.contract import check_batch
 from megarl.trainer.curves import plot_curves
 from megarl.trainer.losses import actor_loss, critic_loss
 from megarl.trainer.rollouts import Rollouts, collect_rollouts
+from megarl.trainer.scores import first_groups, informative, reward_model_scores, sequence_rewards
 from megarl.trainer.startup import Run
 from megarl.trainer.timing import PhaseTimer
 from megarl.trainer.validation import validation_metrics
@@ -181,7 +180,8 @@ class RLTrainer:
                 batch.response_tensors["values"] = self.critic.score(batch)["values"]
             scores = torch.tensor(rollouts.scores)
             if self.reward_model is not None:
-                scores = scores + self._reward_model_scores(batch)
+                scores = scores + reward_model_scores(self.reward_model.score(batch)["values"],
+                                                      batch.response_lengths_B)
         self._check(batch, "score", () if old_from_update else ("old_logprobs",))
         with timer("advantage"):
             advantage_metrics = self._advantages(batch, rollouts, scores, baseline_B)
@@ -214,17 +214,13 @@ class RLTrainer:
             prompts = [self.train_data[i] for i in self.sampler.next_batch()]
             fresh = collect_rollouts(prompts, self.rollout, self._sampling(step * 31 + rounds, validation=False),
                                      self.config.rollout.tp, self.tokenizer, self.rewards)
-            if algorithm.filter_groups:
-                keep = keep_informative_groups(torch.tensor(fresh.scores), torch.tensor(fresh.group_ids))
-                fresh = fresh.select([i for i, k in enumerate(keep.tolist()) if k])
-            kept.extend(fresh)
+            kept.extend(informative(fresh) if algorithm.filter_groups else fresh)
             rounds += 1
         if algorithm.filter_groups:
             if not kept.group_ids:
                 raise RuntimeError(f"step {step}: every group had equal rewards in {rounds} rounds; "
                                    "raise algorithm.max_filter_rounds or disable algorithm.filter_groups")
-            keep = set(sorted(set(kept.group_ids))[:wanted])
-            kept = kept.select([i for i, g in enumerate(kept.group_ids) if g in keep])
+            kept = first_groups(kept, wanted)
         return kept, rounds
 
     def _greedy_baseline(self, rollouts: Rollouts, step: int) -> torch.Tensor:
@@ -237,18 +233,12 @@ class RLTrainer:
         by_group = dict(zip(groups, scores))
         return torch.tensor([by_group[g] for g in rollouts.group_ids])
 
-    def _reward_model_scores(self, batch) -> torch.Tensor:
-        values_BR = self.reward_model.score(batch)["values"]
-        last = (batch.response_lengths_B - 1).clamp(min=0)
-        return values_BR.gather(1, last[:, None]).squeeze(1)
-
     def _advantages(self, batch, rollouts: Rollouts, scores: torch.Tensor,
                     baseline_B: torch.Tensor | None) -> dict[str, float]:
         algorithm, tensors = self.config.algorithm, batch.response_tensors
         mask_BR = batch.response_mask_BR
-        if algorithm.overlong_buffer_length:
-            scores = scores + overlong_penalty(batch.response_lengths_B, self.config.data.max_response_length,
-                                               algorithm.overlong_buffer_length, algorithm.overlong_penalty_factor)
+        scores = sequence_rewards(scores, batch.response_lengths_B, self.config.data.max_response_length,
+                                  algorithm.overlong_buffer_length, algorithm.overlong_penalty_factor)
         token_rewards_BR = token_level_scores(scores.tolist(), batch.response_lengths_B.tolist())
         metrics = {}
         if algorithm.use_kl_in_reward:
@@ -280,6 +270,7 @@ class RLTrainer:
         tokens = int(batch.sequence_lengths_B.sum())
         metrics = {
             "reward/mean": float(scores.mean()), "reward/max": float(scores.max()), "reward/min": float(scores.min()),
+            "reward/function_mean": mean(rollouts.scores),  # before the reward model's score is added
             "reward/errors": float(rollouts.num_reward_errors), "reward/timeouts": float(rollouts.num_reward_timeouts),
             "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
             "response_length/clip_ratio": mean(r == "length" for r in rollouts.finish_reasons),

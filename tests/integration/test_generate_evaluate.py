@@ -1,8 +1,10 @@
-"""launchers/generate.py then launchers/evaluate.py on a tiny HF model, one process each; and on a
-checkpoint of a real training run (2 processes), where they reproduce the trainer's last validation.
+"""launchers/generate.py then launchers/evaluate.py on a tiny HF model (one process each); and around a
+real training run (2 processes) from an SFT'd model whose tokenizer prepends BOS, where they reproduce
+the trainer's validation before training (the SFT'd model) and after it (the run's checkpoint).
 
-A random tiny model never solves arithmetic, so all steps score with the parity reward of
-tests/integration/user_reward.py, which gives 0 or 1 depending on the response text.
+A tiny model never solves arithmetic after a few steps, so all steps score with the parity reward of
+tests/integration/user_reward.py, which gives 0 or 1 depending on the response text; the test
+recomputes it from the written responses.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ import json
 import os
 import subprocess
 import sys
+from collections import defaultdict
 
 import mlflow
 import pyarrow.parquet as pq
 import pytest
 
+import make_tiny_model
 from megarl.data.synthetic import make_arithmetic
 from tests.conftest import ROOT, assert_succeeded, torchrun
 
@@ -34,61 +38,81 @@ def _evaluate(generations, tmp_path) -> dict:
     return json.loads(table_file.read_text())
 
 
-def test_generate_then_evaluate(tiny_models, tmp_path):
+def _parity(response: str) -> float:
+    """user_reward.py's score, written out again."""
+    return float(sum(map(ord, response)) % 2)
+
+
+def _expected_table(rows: list[dict]) -> tuple[float, float]:
+    """mean@k and pass@k of generated rows, from their response texts."""
+    by_prompt = defaultdict(list)
+    for row in rows:
+        by_prompt[row["index"]].append(_parity(row["response"]))
+    scores = [score for group in by_prompt.values() for score in group]
+    return sum(scores) / len(scores), sum(max(group) >= 1.0 for group in by_prompt.values()) / len(by_prompt)
+
+
+def test_generate_then_evaluate_samples(tiny_models, tmp_path):
     _, test = make_arithmetic(8, 6, seed=0, out_dir=tmp_path / "data")
-    common = ["--model", tiny_models["qwen2-tied"], "--data", test, "--max-response-length", 8,
-              "--reward-function", REWARD]
-
-    greedy = tmp_path / "greedy.jsonl"  # the trainer's validation defaults: greedy, one sample
-    assert_succeeded(_run("launchers/generate.py", *common, "--output", greedy, "--backend", "vllm"))
-    rows = [json.loads(line) for line in greedy.read_text().splitlines()]
-    assert len(rows) == 6 and {"data_source", "prompt", "response", "ground_truth", "score"} <= set(rows[0])
-    table = _evaluate(greedy, tmp_path)
-    assert 0 < table["all"]["mean@1"] < 1  # the scores vary, so the comparisons below mean something
-    assert table["all"]["mean@1"] == pytest.approx(sum(row["score"] for row in rows) / len(rows))
-    assert table["arithmetic"]["prompts"] == 6 and table["all"]["pass@1"] >= table["all"]["mean@1"]
-
     sampled = tmp_path / "sampled.parquet"
-    assert_succeeded(_run("launchers/generate.py", *common, "--output", sampled, "--backend", "hf",
-                          "-n", 4, "--temperature", 1.0))
-    scores = pq.read_table(sampled).column("score").to_pylist()
+    assert_succeeded(_run("launchers/generate.py", "--model", tiny_models["qwen2-tied"], "--data", test,
+                          "--max-response-length", 8, "--reward-function", REWARD, "--output", sampled,
+                          "--backend", "hf", "-n", 4, "--temperature", 1.0))
+    rows = pq.read_table(sampled).to_pylist()
+    assert len(rows) == 24 and sorted(row["index"] for row in rows) == sorted(list(range(6)) * 4)
+    assert [row["score"] for row in rows] == [_parity(row["response"]) for row in rows]
+    mean, pass_at_4 = _expected_table(rows)
+    assert 0 < mean < 1 and pass_at_4 > mean  # some prompt has mixed samples, so the two differ
     table = _evaluate(sampled, tmp_path)
-    assert len(scores) == 24 and table["all"]["mean@4"] == pytest.approx(sum(scores) / len(scores))
-    assert table["arithmetic"]["pass@4"] >= table["arithmetic"]["mean@4"]
+    assert table["all"]["mean@4"] == pytest.approx(mean) and table["all"]["pass@4"] == pytest.approx(pass_at_4)
+    assert table["arithmetic"]["prompts"] == 6 and table["arithmetic"]["pass@4"] == pytest.approx(pass_at_4)
 
 
-def _last_logged(run_dir, experiment: str, metric: str) -> float:
+def _logged(run_dir, experiment: str, metric: str) -> dict[int, float]:
     client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")
     run = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])[0]
-    return max(client.get_metric_history(run.info.run_id, metric), key=lambda m: m.step).value
+    return {m.step: m.value for m in client.get_metric_history(run.info.run_id, metric)}
 
 
-def test_generate_on_a_checkpoint_reproduces_the_trainers_validation(tiny_models, tmp_path):
-    # Greedy responses of these tiny models repeat one character, whose parity the reward then scores:
-    # an odd response length keeps the scores varied. The learning rate makes the last step change the
-    # validation score, so a validation of stale weights (those the step started from) fails here.
-    train, test = make_arithmetic(8, 16, seed=0, out_dir=tmp_path / "data")
+def test_generate_reproduces_the_validation_of_an_sft_warm_start_and_of_a_checkpoint(tmp_path):
+    # The tokenizer prepends BOS to raw text (data.apply_chat_template=false): SFT, the trainer's
+    # validation and generate.py must give the model the same prompts (tests/unit/data/test_tokenization.py
+    # checks the ids), so the greedy responses, hence the scores, agree. Greedy responses vary in
+    # length and characters, so the parity reward varies. The RL learning rate makes the last step
+    # change the validation score, so a validation of stale weights (those the step started from) fails.
+    base = tmp_path / "base"
+    make_tiny_model.main(["--out", str(base), "--bos", "--seed", "3"])
+    train, test = make_arithmetic(64, 16, seed=0, out_dir=tmp_path / "data")
     lengths = {"max_prompt_length": 16, "max_response_length": 5}  # the same for validation and generate.py
+    common = [f"data.train_files=[{train}]", f"trainer.output_dir={tmp_path}", "data.apply_chat_template=false",
+              *(f"data.{key}={value}" for key, value in lengths.items())]
+    assert_succeeded(torchrun(1, ROOT / "launchers/train_sft.py", "--config", "configs/quickstart_sft.yaml",
+                              f"model.path={base}", *common, "trainer.total_steps=20", "data.train_batch_size=16",
+                              "actor.micro_batch_size_per_rank=16", "actor.optim.lr_warmup_steps=2"))
+    sft = tmp_path / "quickstart_sft/hf"
     reward_file, _ = REWARD.split(":")
     assert_succeeded(torchrun(2, ROOT / "launchers/train_ppo.py", "--config", "configs/quickstart.yaml",
-                              f"model.path={tiny_models['qwen2-tied']}", f"data.train_files=[{train}]",
-                              f"data.val_files=[{test}]", "data.apply_chat_template=false",
-                              *(f"data.{key}={value}" for key, value in lengths.items()),
-                              f"trainer.output_dir={tmp_path}", f"trainer.checkpoint_dir={tmp_path}/ckpt",
-                              "trainer.total_steps=2", "trainer.save_freq=2", "trainer.test_freq=0",
-                              "trainer.val_before_train=false", "data.train_batch_size=4", "rollout.n=2",
-                              "actor.ppo_mini_batch_size=2", "actor.optim.lr=3e-3",
-                              f"reward.custom_function_path={reward_file}"))
-    validated = _last_logged(tmp_path / "quickstart_grpo", "quickstart_grpo", "val/score/mean")
+                              f"model.path={sft}", *common, f"data.val_files=[{test}]",
+                              f"trainer.checkpoint_dir={tmp_path}/ckpt", "trainer.total_steps=2",
+                              "trainer.save_freq=2", "trainer.test_freq=0", "trainer.val_before_train=true",
+                              "data.train_batch_size=4", "rollout.n=2", "actor.ppo_mini_batch_size=2",
+                              "actor.optim.lr=3e-3", f"reward.custom_function_path={reward_file}"))
+    validated = _logged(tmp_path / "quickstart_grpo", "quickstart_grpo", "val/score/mean")
+    assert sorted(validated) == [0, 2]
 
-    generations = tmp_path / "generations.jsonl"  # generate.py's defaults are validation's: greedy, one sample
     flags = [arg for key, value in lengths.items() for arg in (f"--{key.replace('_', '-')}", value)]
     checkpoint = tmp_path / "ckpt/quickstart_grpo/global_step_2"
-    assert_succeeded(torchrun(2, ROOT / "launchers/generate.py", "--model", checkpoint, "--data", test,
-                              "--output", generations, "--no-apply-chat-template", *flags, "--reward-function", REWARD))
-    mean = _evaluate(generations, tmp_path)["all"]["mean@1"]
-    assert 0 < mean < 1  # the scores vary, so equal means say the responses are the same
-    assert mean == validated
+    for step, model in ((0, sft), (2, checkpoint)):  # generate.py's defaults are validation's: greedy, one sample
+        generations = tmp_path / f"generations_{step}.jsonl"
+        assert_succeeded(torchrun(2, ROOT / "launchers/generate.py", "--model", model, "--data", test, "--output",
+                                  generations, "--no-apply-chat-template", *flags, "--reward-function", REWARD))
+        rows = [json.loads(line) for line in generations.read_text().splitlines()]
+        assert len(rows) == 16 and {"data_source", "prompt", "response", "ground_truth", "score"} <= set(rows[0])
+        mean, pass_at_1 = _expected_table(rows)
+        table = _evaluate(generations, tmp_path)
+        assert table["all"]["mean@1"] == pytest.approx(mean) and table["all"]["pass@1"] == pytest.approx(pass_at_1)
+        assert 0 < mean < 1, step  # the scores vary, so equal means say the responses are the same
+        assert table["all"]["mean@1"] == validated[step], step  # the same engine on the same weights and prompts
 
 
 def test_evaluate_names_a_missing_column(tmp_path):

@@ -28,10 +28,18 @@ def _overrides(model, data, out, *extra):
             "trainer.check_batches=true", *extra]
 
 
-def _logged(run_dir, experiment, metric):
+def _history(run_dir, experiment, metric):
     client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")
     run = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])[0]
-    return [m.step for m in client.get_metric_history(run.info.run_id, metric)]
+    return sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, metric))
+
+
+def _logged(run_dir, experiment, metric):
+    return [step for step, _ in _history(run_dir, experiment, metric)]
+
+
+def _values(run_dir, experiment, metric):
+    return [value for _, value in _history(run_dir, experiment, metric)]
 
 
 @pytest.mark.parametrize("layout", [["actor.tp=2"], ["actor.pp=2"]], ids=["tp2", "pp2"])
@@ -61,6 +69,11 @@ def test_grpo_variants_at_dp2(tiny_models, arithmetic, tmp_path):
     run_dir = tmp_path / "quickstart_grpo"
     for metric in ("actor/kl_loss", "mismatch/kl", "rollout/filter_rounds", "actor/grad_norm", "reward/length"):
         assert _logged(run_dir, "quickstart_grpo", metric) == [1, 2, 3], metric
+    # The pieces' effects on the batch and loss are checked on real tensors in tests/unit/trainer
+    # (test_scores.py: group filtering, reward model, overlong penalty; test_losses.py: truncated IS);
+    # here: the reward model's scores reach the rewards, on top of the function's 0/1 parity scores.
+    total, function = (_values(run_dir, "quickstart_grpo", m) for m in ("reward/mean", "reward/function_mean"))
+    assert all(0 <= f <= 1 for f in function) and all(abs(t - f) > 1e-6 for t, f in zip(total, function))
 
 
 def test_remax_generates_its_greedy_baseline(tiny_models, arithmetic, tmp_path):

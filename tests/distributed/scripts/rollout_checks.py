@@ -5,7 +5,8 @@ syncs them into a vLLM engine and an `hf` engine on every rank, and reports (ran
 - bit-identity of the synced weights with the HF export of the training model,
 - greedy generations of vLLM vs `hf`, token for token,
 - after a second optimizer step and sync, vLLM's sampled-token log-probs vs the trainer's,
-- bytes moved vs the plan's lower bound, and recovery from a failed generation and a failed sync.
+- bytes moved vs the plan's lower bound, and recovery from a failed generation and a failed sync
+  (the error, the refusal, and the old weights back in place).
 """
 
 import argparse
@@ -121,17 +122,34 @@ hf_sync.sync(step=3)
 report["after_failed_generation_equal"] = (
     vllm.generate(PROMPTS, greedy).response_ids == reference.generate(PROMPTS, greedy).response_ids)
 
-# A failed sync: the engine refuses to generate, naming the step, until a sync succeeds.
+# A failed sync: the load raises; the layers it had only begun are put back as they were, and the
+# engine refuses to generate, naming the step, until a sync succeeds. The load first hands over a
+# new q_proj (half of layer 0's fused qkv_proj: buffered, not applied), then a norm weight of the
+# wrong shape (a complete layer: its loader rejects it).
+before = vllm.generate(PROMPTS, greedy)
+q_proj = exported["model.layers.0.self_attn.q_proj.weight"]
+new_q = torch.randn(q_proj.shape[0] // args.engine_tp, q_proj.shape[1], generator=generator)
 vllm.begin_weight_update(7)
 try:
-    vllm.load_weights([("model.layers.0.mlp.up_proj.weight", torch.zeros(3, 3))])
-except Exception:
-    pass
+    vllm.load_weights([("model.layers.0.self_attn.q_proj.weight", new_q),
+                       ("model.layers.0.input_layernorm.weight", torch.zeros(3))])
+    report["failed_load_error"] = ""
+except Exception as error:  # whatever vLLM's loader raises: the test checks which
+    report["failed_load_error"] = f"{type(error).__name__}: {error}"
 try:
     vllm.generate(PROMPTS, greedy)
     report["refused_after_failed_sync"] = ""
 except RuntimeError as error:
     report["refused_after_failed_sync"] = str(error)
+# Lift the guard by hand to see what the engine holds: the weights of step 3, token for token and
+# log-prob for log-prob (the same engine, kernels and bytes as `before`; the prefix cache is reset
+# so that nothing computed before the failed load is reused).
+vllm.guard.end()
+vllm.llm.reset_prefix_cache()
+after = vllm.generate(PROMPTS, greedy)
+report["rolled_back_tokens_equal"] = after.response_ids == before.response_ids
+report["rolled_back_logprob_diff"] = max(abs(a - b) for x, y in zip(after.logprobs, before.logprobs)
+                                         for a, b in zip(x, y))
 vllm_sync.sync(step=8)
 report["recovered_tokens_equal"] = vllm.generate(PROMPTS, greedy).response_ids == reference.generate(PROMPTS, greedy).response_ids
 

@@ -1,5 +1,6 @@
 """The actor loss without recorded old log-probs: the update's own forward stands in for them."""
 
+import pytest
 import torch
 
 from megarl.config.schema import ActorConfig
@@ -42,3 +43,27 @@ def test_missing_old_logprobs_are_the_forwards_own():
     tokens = int(batch.response_lengths_B.sum())
     weights = torch.exp(logprobs - batch.response_tensors["rollout_logprobs"]).clamp(max=2.0)
     assert torch.allclose(actual[1], -batch.response_tensors["advantages"] * weights * batch.response_mask_BR / tokens)
+
+
+def test_truncated_importance_weights_scale_each_tokens_loss():
+    # Ratios away from 1 on both sides of the clip range, and weights on both sides of the cap.
+    config = ActorConfig(tis_cap=1.1, clip_ratio_low=0.2, clip_ratio_high=0.2, loss_agg_mode="token-mean")
+    generator = torch.Generator().manual_seed(3)
+    batch = _batch()
+    mask = batch.response_mask_BR
+    old = -torch.rand(4, 5, generator=generator) * mask
+    batch.response_tensors["old_logprobs"] = old
+    batch.response_tensors["rollout_logprobs"] = old + 0.6 * (torch.rand(4, 5, generator=generator) - 0.5) * mask
+    new = old + 0.8 * (torch.rand(4, 5, generator=generator) - 0.5) * mask
+    loss, _, _ = _loss_and_grad(config, batch, new)
+    # By hand, token by token: w = min(pi_old / pi_rollout, cap); pg = max(-A r, -A clip(r)); token mean.
+    expected, tokens = 0.0, 0
+    for b in range(4):
+        for t in range(int(batch.response_lengths_B[b])):
+            ratio = float(torch.exp(new[b, t] - old[b, t]))
+            weight = min(float(torch.exp(old[b, t] - batch.response_tensors["rollout_logprobs"][b, t])), 1.1)
+            advantage = float(batch.response_tensors["advantages"][b, t])
+            expected += weight * max(-advantage * ratio, -advantage * min(max(ratio, 0.8), 1.2))
+            tokens += 1
+    entropy = float((torch.rand(4, 5, generator=torch.Generator().manual_seed(1)) * mask).sum()) / tokens
+    assert float(loss) == pytest.approx(expected / tokens - config.entropy_coeff * entropy, abs=1e-6)
