@@ -198,7 +198,8 @@ class DataConfig:
     """Validate on at most this many prompts (0: all)."""
 
     apply_chat_template: bool = True
-    """Render chat messages with the tokenizer's chat template; false: use the raw text."""
+    """Render chat messages with the tokenizer's chat template (its special tokens are the template's);
+    false: use the raw text, which gets the tokenizer's own leading special tokens (e.g. BOS)."""
 
     shuffle: bool = True
     """Shuffle the training prompts every epoch (seeded by trainer.seed)."""
