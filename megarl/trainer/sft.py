@@ -37,6 +37,7 @@ class SFTTrainer:
         self.responses = [self._response_ids(self.data[i]) for i in range(len(self.data))]
         self.sampler = ResumableSampler(len(self.data), config.data.train_batch_size, config.trainer.seed,
                                         shuffle=config.data.shuffle)
+        run.save_config()
         self.engine = MegatronEngine(self.layout, config.model, config.actor,
                                      total_optimizer_steps=config.trainer.total_steps)
         self.tracker = Tracker(config.trainer.loggers, self.run_dir,
