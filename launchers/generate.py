@@ -37,6 +37,7 @@ from megarl.resharding.executor import WeightSync
 from megarl.rewards import RewardManager
 from megarl.rollout import ROLLOUT_BACKENDS, RolloutEngine, Sampling
 from megarl.trainer.rollouts import Rollouts, collect_rollouts
+from megarl.trainer.startup import exit_on_user_error
 
 from evaluate import scoring_function  # launchers/evaluate.py: this folder is first on sys.path
 
@@ -156,4 +157,4 @@ if __name__ == "__main__":
     try:
         main(sys.argv[1:])
     except ValueError as error:  # model, data and reward-function errors: one line naming the path
-        sys.exit(f"megarl: {error}")
+        exit_on_user_error(error)

@@ -5,16 +5,20 @@
 
 import sys
 
+from megarl.rewards import RewardFunctionError
 from megarl.trainer.rl_trainer import RLTrainer
-from megarl.trainer.startup import start_run
+from megarl.trainer.startup import exit_on_user_error, start_run
 
 
 def main(argv: list[str]) -> None:
     try:
         trainer = RLTrainer(start_run(argv))
     except ValueError as error:  # config and data errors: one line naming the key, file or row
-        sys.exit(f"megarl: {error}")
-    trainer.fit()
+        exit_on_user_error(error)
+    try:
+        trainer.fit()
+    except RewardFunctionError as error:  # every reward call of a step failed: one line with the first failure
+        exit_on_user_error(error)
 
 
 if __name__ == "__main__":

@@ -6,14 +6,14 @@
 import sys
 
 from megarl.trainer.sft import SFTTrainer
-from megarl.trainer.startup import start_run
+from megarl.trainer.startup import exit_on_user_error, start_run
 
 
 def main(argv: list[str]) -> None:
     try:
         trainer = SFTTrainer(start_run(argv))
     except ValueError as error:  # config and data errors: one line naming the key, file or row
-        sys.exit(f"megarl: {error}")
+        exit_on_user_error(error)
     trainer.fit()
 
 

@@ -6,10 +6,10 @@ float 0/1 `mask_BR`. Nothing here knows about process groups or configs.
 
 from megarl.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
-    NEEDS_GREEDY_BASELINE,
     AdvantageInputs,
     group_ids_from_index,
     masked_whiten,
+    register_estimator,
 )
 from megarl.algorithms.aggregation import LOSS_AGGREGATIONS, aggregate, masked_mean
 from megarl.algorithms.dapo import keep_informative_groups, overlong_penalty
@@ -27,7 +27,6 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
-    "NEEDS_GREEDY_BASELINE",
     "POLICY_LOSSES",
     "AdaptiveKLController",
     "AdvantageInputs",
@@ -41,6 +40,7 @@ __all__ = [
     "masked_mean",
     "masked_whiten",
     "overlong_penalty",
+    "register_estimator",
     "rollout_mismatch_metrics",
     "truncated_importance_weights",
 ]

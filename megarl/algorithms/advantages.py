@@ -36,10 +36,6 @@ from megarl.registry import Registry
 
 WHITEN_EPS = 1e-8
 
-# Estimators whose inputs include the reward of a greedy response per prompt (baseline_rewards_B):
-# the trainer generates it for these.
-NEEDS_GREEDY_BASELINE = frozenset({"remax"})
-
 
 @dataclass
 class AdvantageInputs:
@@ -64,6 +60,23 @@ class AdvantageInputs:
 ADVANTAGE_ESTIMATORS: Registry[Callable[[AdvantageInputs], tuple[Tensor, Tensor]]] = Registry(
     "advantage estimator"
 )
+
+
+def register_estimator(name: str, *, needs_groups: bool = False, needs_greedy_baseline: bool = False):
+    """Register an estimator with what it needs from the trainer, as attributes of the function, so
+    that the trainer asks the estimator rather than branching on its name:
+
+    needs_groups           its baseline comes from the other responses to the same prompt, so a
+                           group of one has no signal (rollout.n must be at least 2)
+    needs_greedy_baseline  its inputs include the reward of a greedy response per prompt
+                           (baseline_rewards_B), which the trainer generates for it
+    """
+
+    def add(estimator):
+        estimator.needs_groups, estimator.needs_greedy_baseline = needs_groups, needs_greedy_baseline
+        return ADVANTAGE_ESTIMATORS.register(name)(estimator)
+
+    return add
 
 
 def group_ids_from_index(uids: list) -> Tensor:
@@ -102,7 +115,7 @@ def _outcome_scores(inputs: AdvantageInputs) -> Tensor:
     return (inputs.token_rewards_BR * inputs.mask_BR).sum(dim=-1)
 
 
-@ADVANTAGE_ESTIMATORS.register("gae")
+@register_estimator("gae")
 @torch.no_grad()
 def gae(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     if inputs.values_BR is None:
@@ -123,7 +136,7 @@ def gae(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     return masked_whiten(advantages_BR, mask_BR) * mask_BR, returns_BR
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo")
+@register_estimator("grpo", needs_groups=True)
 @torch.no_grad()
 def grpo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     scores_B = _outcome_scores(inputs)
@@ -137,12 +150,12 @@ def grpo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     return _broadcast(advantages_B, inputs.mask_BR)
 
 
-@ADVANTAGE_ESTIMATORS.register("drgrpo")
+@register_estimator("drgrpo", needs_groups=True)
 def drgrpo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     return grpo(replace(inputs, norm_by_std=False))
 
 
-@ADVANTAGE_ESTIMATORS.register("rloo")
+@register_estimator("rloo", needs_groups=True)
 @torch.no_grad()
 def rloo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     scores_B = _outcome_scores(inputs)
@@ -152,7 +165,7 @@ def rloo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     return _broadcast(advantages_B, inputs.mask_BR)
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus")
+@register_estimator("reinforce_plus_plus")
 @torch.no_grad()
 def reinforce_plus_plus(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     rewards_BR, mask_BR = inputs.token_rewards_BR * inputs.mask_BR, inputs.mask_BR
@@ -164,7 +177,7 @@ def reinforce_plus_plus(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     return masked_whiten(returns_BR, mask_BR) * mask_BR, returns_BR * mask_BR
 
 
-@ADVANTAGE_ESTIMATORS.register("remax")
+@register_estimator("remax", needs_greedy_baseline=True)
 @torch.no_grad()
 def remax(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     if inputs.baseline_rewards_B is None:

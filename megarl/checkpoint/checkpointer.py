@@ -34,6 +34,7 @@ from megarl.checkpoint.directory import (
     problem_with,
     publish,
     remove_oldest,
+    step_dirs,
     write_manifest,
 )
 from megarl.models.hf_interop import copy_hf_files
@@ -89,8 +90,18 @@ class Checkpointer:
         self.queue = AsyncCallsQueue() if async_save else None
 
     def find(self, mode: str, path: str) -> Path | None:
-        """The checkpoint to resume from: the newest complete one (auto), none, or `path`."""
+        """The checkpoint to resume from: the newest complete one (auto), none, or `path`.
+
+        `disable` refuses a checkpoint directory that already holds an earlier run's checkpoints:
+        the new run's saves would mix with them (same step names, retention counting both, `latest`
+        moving between runs) and a later auto resume could pick the wrong run."""
         if mode == "disable":
+            earlier = step_dirs(self.root)
+            if earlier:
+                raise CheckpointError(
+                    f"trainer.resume_mode=disable, but {self.root} holds an earlier run's checkpoints "
+                    f"({', '.join(p.name for p in earlier)}); use trainer.resume_mode=auto to continue that run, "
+                    "or another trainer.experiment_name or trainer.checkpoint_dir to start a new one")
             return None
         if mode == "path":
             target = Path(path)
@@ -98,7 +109,7 @@ class Checkpointer:
             if problem:
                 raise CheckpointError(f"trainer.resume_path={path}: not a usable checkpoint: {problem}")
             return target
-        complete = complete_checkpoints(self.root) if self.root.is_dir() else []
+        complete = complete_checkpoints(self.root)
         return complete[-1] if complete else None
 
     def save(self, step: int, engines: dict, trainer_state: dict) -> None:

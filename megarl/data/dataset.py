@@ -1,7 +1,7 @@
 """Prompt rows in the common RL parquet layout: reading, validating, writing, tokenizing.
 
-One row: `prompt` (list of `{role, content}` messages, or a plain string for base models),
-`data_source` (str, selects the rule scorer), `ability` (str), `reward_model`
+One row: `prompt` (list of `{role, content}` messages, or a plain string for base models; with
+some text), `data_source` (str, selects the rule scorer), `ability` (str), `reward_model`
 (`{"style": "rule", "ground_truth": str}`), `extra_info` (dict or null). `prompt`, `data_source`
 and `reward_model` are required; `ability` defaults to "" and `extra_info` to {}.
 
@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 
 REQUIRED_COLUMNS = ("prompt", "data_source", "reward_model")
 PROMPT_EXPECTED = "a non-empty list of {role: str, content: str} dicts or a str"
+# An empty prompt tokenizes to nothing (or a bare template) and vLLM rejects it mid-step.
+PROMPT_TEXT_EXPECTED = "some text (a non-empty str, or a message with non-empty content)"
 
 
 def _one_line(text: Any) -> str:
@@ -48,6 +50,8 @@ def _check_row(file: str, index: int, row: dict) -> dict:
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt)
     if not (isinstance(prompt, str) or valid_messages):
         raise fail("prompt", PROMPT_EXPECTED, prompt)
+    if not (prompt.strip() if isinstance(prompt, str) else any(m["content"].strip() for m in prompt)):
+        raise fail("prompt", PROMPT_TEXT_EXPECTED, prompt)
     if not isinstance(row["data_source"], str):
         raise fail("data_source", "a str", row["data_source"])
     reward_model = row["reward_model"]

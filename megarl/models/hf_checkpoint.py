@@ -57,8 +57,18 @@ def write_shard(tensors: dict[str, torch.Tensor], out_dir: str, shard_index: int
     """Write one shard file; returns its file name (for the index)."""
     file = SINGLE_FILE if num_shards == 1 else f"model-{shard_index + 1:05d}-of-{num_shards:05d}.safetensors"
     contiguous = {name: tensor.contiguous() for name, tensor in tensors.items()}
-    save_file(contiguous, os.path.join(out_dir, file), metadata={"format": "pt"})
+    path = os.path.join(out_dir, file)
+    save_file(contiguous, path, metadata={"format": "pt"})
+    # safetensors writes through a private temporary file (mode 0600); give the shard the mode
+    # every other file of the export gets, so whoever can read the config can read the weights.
+    os.chmod(path, 0o666 & ~_umask())
     return file
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # reading the umask means setting it: put it straight back
+    os.umask(mask)
+    return mask
 
 
 def write_index(weight_map: dict[str, str], total_bytes: int, out_dir: str) -> None:

@@ -5,7 +5,8 @@
 
 The function keeps the common signature `compute_score(data_source, solution_str, ground_truth,
 extra_info=None) -> float | dict` and is used unchanged; `RewardManager` turns a dict return
-("score" plus extra numeric metrics) into rewards and metrics.
+("score" plus extra numeric metrics) into rewards and metrics. A function that cannot be called
+with these four arguments is refused when it is loaded, before any model is built.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Callable
+
+SIGNATURE = "compute_score(data_source, solution_str, ground_truth, extra_info=None)"
 
 
 def _one_line(exc: BaseException) -> str:
@@ -59,4 +63,18 @@ def load_function(path: str, name: str) -> Callable:
     function = getattr(module, name)
     if not callable(function):
         raise ValueError(f"custom function {name!r} in {path!r} is a {type(function).__name__}, not callable")
+    _check_signature(function, name, path)
     return function
+
+
+def _check_signature(function: Callable, name: str, path: str) -> None:
+    """ValueError unless `function` accepts the four arguments `RewardManager` passes, by position."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # some builtins and extension functions have none: found by calling
+        return
+    try:
+        signature.bind("data_source", "solution_str", "ground_truth", {})
+    except TypeError as exc:
+        raise ValueError(f"custom function {name!r} in {path!r} has the signature {name}{signature} "
+                         f"({exc}); expected {SIGNATURE}") from None

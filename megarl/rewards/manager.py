@@ -2,7 +2,8 @@
 
 `RewardManager.score` calls `compute_score(data_source, solution_str, ground_truth, extra_info)`
 once per item. A call that raises, returns something that is not a finite number (or a dict with a
-finite "score"), or runs past `timeout_seconds` scores 0.0 and is counted; it never stops the run.
+finite "score"), or runs past `timeout_seconds` scores 0.0 and is counted; one failing call never
+stops the run (the trainer stops when every call of a step fails).
 
 The timeout: calls run one after another in a long-lived daemon thread, each awaited with a
 deadline (handing a call to a waiting thread costs microseconds; starting a thread per call cost
@@ -46,6 +47,10 @@ class RewardResult:
     num_timeouts: int = 0
     first_error: str | None = None
     """One line describing the first failure (error or timeout), for the log."""
+
+
+class RewardFunctionError(ValueError):
+    """A reward function that cannot score anything (its every call fails); the message says why."""
 
 
 class _Timeout(Exception):

@@ -1,16 +1,26 @@
 """Metrics of a run, to the console and to mlflow; only global rank 0 writes.
 
 mlflow defaults to a SQLite file in the run directory, an embedded store that needs no server:
-`mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow.db` shows the run. The history of every
-metric is also kept in memory for the end-of-run curves (`megarl.trainer.curves`).
+`mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow.db` shows the run. Its artifacts (curves,
+config) are kept beside it in `<run_dir>/mlartifacts`; mlflow's own default, `./mlruns` of whatever
+directory the job was started from, would scatter them away from the run and mix those of every
+run directory (each store numbers its experiment 1). The history of every metric is also kept in
+memory for the end-of-run curves (`megarl.trainer.curves`).
+
+A resumed job continues the mlflow run its checkpoint names. When the store does not have that run
+(the checkpoint came from another experiment, or `trainer.output_dir` changed since) it logs to a
+new run and says so in one warning.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
+logger = logging.getLogger(__name__)
+ARTIFACT_DIR = "mlartifacts"
 CONSOLE_KEYS = ("sft/nll", "reward/mean", "val/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy",
                 "response_length/mean", "mismatch/logprob_abs_diff_max", "timing/step", "throughput/tokens_per_s")
 
@@ -26,6 +36,19 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
     return flat
 
 
+def _has_run(mlflow, run_id: str) -> bool:
+    """Whether the store holds `run_id` (other errors, e.g. an unreachable server, propagate)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        mlflow.get_run(run_id)
+    except MlflowException as error:
+        if error.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        return False
+    return True
+
+
 class Tracker:
     def __init__(self, loggers: list[str], run_dir: Path, experiment_name: str, tracking_uri: str, config,
                  is_writer: bool, run_id: str | None = None):
@@ -39,8 +62,15 @@ class Tracker:
             import mlflow
 
             run_dir.mkdir(parents=True, exist_ok=True)
-            mlflow.set_tracking_uri(tracking_uri or f"sqlite:///{run_dir.resolve()}/mlflow.db")
+            store = tracking_uri or f"sqlite:///{run_dir.resolve()}/mlflow.db"
+            mlflow.set_tracking_uri(store)
+            if not tracking_uri and mlflow.get_experiment_by_name(experiment_name) is None:
+                mlflow.create_experiment(experiment_name, (run_dir.resolve() / ARTIFACT_DIR).as_uri())
             mlflow.set_experiment(experiment_name)
+            if run_id is not None and not _has_run(mlflow, run_id):
+                logger.warning("mlflow run %s, named by the checkpoint, is not in the store %s (a checkpoint of "
+                               "another run directory?); logging to a new run", run_id, store)
+                run_id = None
             self.run_id = mlflow.start_run(run_id=run_id).info.run_id
             if run_id is None:
                 params = flatten(asdict(config) if is_dataclass(config) else dict(config))

@@ -19,7 +19,6 @@ from transformers import AutoTokenizer
 
 from megarl.algorithms import (
     ADVANTAGE_ESTIMATORS,
-    NEEDS_GREEDY_BASELINE,
     AdaptiveKLController,
     AdvantageInputs,
     FixedKLController,
@@ -47,6 +46,8 @@ from megarl.trainer.validation import validation_metrics
 
 class RLTrainer:
     def __init__(self, run: Run):
+        """Inputs are checked first (data, reward function, the checkpoint to resume): a mistake in
+        them fails in seconds, before the models and the rollout engine are built."""
         self.config, self.layout, self.run_dir = run.config, run.layout, run.run_dir
         config = self.config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
@@ -58,11 +59,15 @@ class RLTrainer:
                                        data.apply_chat_template) if data.val_files else None)
         self.sampler = ResumableSampler(len(self.train_data), data.train_batch_size, config.trainer.seed,
                                         shuffle=data.shuffle)
+        score_fn = (load_function(config.reward.custom_function_path, config.reward.custom_function_name)
+                    if config.reward.custom_function_path else compute_score)
+        self.rewards = RewardManager(score_fn, config.reward.timeout_seconds)
         trainer = config.trainer
         self.checkpointer = Checkpointer(Path(trainer.checkpoint_dir) / trainer.experiment_name, config.model.path,
                                          self.run_dir / "config.yaml", trainer.max_ckpt_to_keep, trainer.async_save)
         resume_from = self.checkpointer.find(trainer.resume_mode, trainer.resume_path)
         self.estimator = ADVANTAGE_ESTIMATORS.get(config.algorithm.adv_estimator)
+        run.save_config()
         self.actor = self._engine(config.actor, trainable=True)
         uses_reference = config.actor.use_kl_loss or config.algorithm.use_kl_in_reward
         self.reference = self._engine(config.actor, trainable=False) if uses_reference else None
@@ -75,9 +80,6 @@ class RLTrainer:
         self.rollout = self._rollout_engine()
         self.sync = WeightSync(self.actor.module, self.actor.arch, self.layout, self.rollout, config.rollout.tp,
                                config.rollout.bucket_mib << 20)
-        score_fn = (load_function(config.reward.custom_function_path, config.reward.custom_function_name)
-                    if config.reward.custom_function_path else compute_score)
-        self.rewards = RewardManager(score_fn, config.reward.timeout_seconds)
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = (AdaptiveKLController(kl.coef, kl.target_kl, kl.horizon) if kl.type == "adaptive"
                         else FixedKLController(kl.coef))
@@ -161,8 +163,7 @@ class RLTrainer:
             sync = self.sync.sync(step)
         with timer("rollout"):
             rollouts, rounds = self._generate_training_rollouts(step)
-            baseline_B = (self._greedy_baseline(rollouts, step)
-                          if self.config.algorithm.adv_estimator in NEEDS_GREEDY_BASELINE else None)
+            baseline_B = self._greedy_baseline(rollouts, step) if self.estimator.needs_greedy_baseline else None
         self.rollout.sleep()
         batch = rollouts.to_batch(self.pad_token_id)
         self._check(batch, "rollout", ("rollout_logprobs",))
@@ -212,8 +213,7 @@ class RLTrainer:
         while rounds == 0 or (algorithm.filter_groups and len(set(kept.group_ids)) < wanted
                               and rounds <= algorithm.max_filter_rounds):
             prompts = [self.train_data[i] for i in self.sampler.next_batch()]
-            fresh = collect_rollouts(prompts, self.rollout, self._sampling(step * 31 + rounds, validation=False),
-                                     self.config.rollout.tp, self.tokenizer, self.rewards)
+            fresh = self._collect(prompts, self._sampling(step * 31 + rounds, validation=False))
             kept.extend(informative(fresh) if algorithm.filter_groups else fresh)
             rounds += 1
         if algorithm.filter_groups:
@@ -223,13 +223,19 @@ class RLTrainer:
             kept = first_groups(kept, wanted)
         return kept, rounds
 
+    def _collect(self, prompts: list, sampling: Sampling) -> Rollouts:
+        """Rollouts of `prompts` on the engine replicas, scored; stops the run if no reward call succeeded."""
+        rollouts = collect_rollouts(prompts, self.rollout, sampling, self.config.rollout.tp, self.tokenizer,
+                                    self.rewards)
+        rollouts.require_rewards()
+        return rollouts
+
     def _greedy_baseline(self, rollouts: Rollouts, step: int) -> torch.Tensor:
         """ReMax's baseline: the reward of a greedy response to each sequence's prompt."""
         groups = sorted(set(rollouts.group_ids))
         prompts = [rollouts.prompts[rollouts.group_ids.index(g)] for g in groups]
         greedy = dataclasses.replace(self._sampling(step, validation=False), n=1, temperature=0.0)
-        scores = collect_rollouts(prompts, self.rollout, greedy, self.config.rollout.tp, self.tokenizer,
-                                  self.rewards).scores
+        scores = self._collect(prompts, greedy).scores
         by_group = dict(zip(groups, scores))
         return torch.tensor([by_group[g] for g in rollouts.group_ids])
 
@@ -299,7 +305,6 @@ class RLTrainer:
         self.sync.sync(step)
         limit = self.config.data.max_val_samples or len(self.val_data)
         prompts = [self.val_data[i] for i in range(min(limit, len(self.val_data)))]
-        rollouts = collect_rollouts(prompts, self.rollout, self._sampling(0, validation=True), self.config.rollout.tp,
-                                    self.tokenizer, self.rewards)
+        rollouts = self._collect(prompts, self._sampling(0, validation=True))
         return validation_metrics(rollouts, self.config.rollout.val_n)
 

@@ -7,6 +7,7 @@ every rank all responses, in prompt order, n per prompt (prompt-major).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 from megarl.data.dataset import Prompt
 from megarl.engine.batch import SequenceBatch
-from megarl.rewards.manager import RewardManager, ScoringItem
+from megarl.rewards.manager import RewardFunctionError, RewardManager, ScoringItem
 from megarl.rollout.base import RolloutEngine, Sampling
 
 
@@ -31,6 +32,8 @@ class Rollouts:
     score_extras: dict[str, list[float]] = field(default_factory=dict)
     num_reward_errors: int = 0
     num_reward_timeouts: int = 0
+    first_reward_failure: str | None = None
+    """One line describing the first reward call that failed or timed out."""
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -43,6 +46,7 @@ class Rollouts:
                        score_extras={k: pick(v) for k, v in self.score_extras.items()})
 
     def extend(self, other: Rollouts) -> None:
+        self.score_extras = _aligned_extras([self, other])
         offset = max(self.group_ids, default=-1) + 1
         self.prompts += other.prompts
         self.group_ids += [g + offset for g in other.group_ids]
@@ -50,10 +54,16 @@ class Rollouts:
         self.rollout_logprobs += other.rollout_logprobs
         self.finish_reasons += other.finish_reasons
         self.scores += other.scores
-        for key, values in other.score_extras.items():
-            self.score_extras.setdefault(key, []).extend(values)
         self.num_reward_errors += other.num_reward_errors
         self.num_reward_timeouts += other.num_reward_timeouts
+        self.first_reward_failure = self.first_reward_failure or other.first_reward_failure
+
+    def require_rewards(self) -> None:
+        """Raise when no reward call succeeded: training on all-zero rewards teaches nothing, and a
+        reward function that fails on every response is broken, not unlucky."""
+        if len(self) and self.num_reward_errors + self.num_reward_timeouts == len(self):
+            raise RewardFunctionError(f"all {len(self)} reward calls failed ({self.num_reward_errors} errors, "
+                                      f"{self.num_reward_timeouts} timeouts); first: {self.first_reward_failure}")
 
     def to_batch(self, pad_token_id: int) -> SequenceBatch:
         """Prompt + response token sequences, right-padded, with the engine's log-probs aligned."""
@@ -89,11 +99,21 @@ def collect_rollouts(prompts: list[Prompt], engine: RolloutEngine, sampling: Sam
                                 for p, text in zip(local.prompts, texts)])
         local.scores, local.score_extras = result.scores, result.extra
         local.num_reward_errors, local.num_reward_timeouts = result.num_errors, result.num_timeouts
+        local.first_reward_failure = result.first_error
     gathered = [None] * world
     dist.all_gather_object(gathered, local)
-    replicas = gathered[::engine_tp]  # one copy per engine replica
+    return merge_replicas(gathered[::engine_tp])  # one copy per engine replica
+
+
+def merge_replicas(replicas: list[Rollouts]) -> Rollouts:
+    """The replicas' rollouts in one batch, prompt-major (sorted by group id).
+
+    Extra reward metrics one replica's scorer returned and another's did not (a dict key present only
+    for some responses) are NaN where absent, so every metric stays aligned with the sequences."""
+    extras = _aligned_extras(replicas)
     merged = Rollouts()
-    order = sorted(((group, k, j) for k, part in enumerate(replicas) for j, group in enumerate(part.group_ids)))
+    order = sorted((group, k, j) for k, part in enumerate(replicas) for j, group in enumerate(part.group_ids))
+    starts = [sum(len(part) for part in replicas[:k]) for k in range(len(replicas))]
     for group, k, j in order:
         part = replicas[k]
         merged.prompts.append(part.prompts[j])
@@ -102,8 +122,16 @@ def collect_rollouts(prompts: list[Prompt], engine: RolloutEngine, sampling: Sam
         merged.rollout_logprobs.append(part.rollout_logprobs[j])
         merged.finish_reasons.append(part.finish_reasons[j])
         merged.scores.append(part.scores[j])
-        for key, values in part.score_extras.items():
-            merged.score_extras.setdefault(key, []).append(values[j])
+        for key, values in extras.items():
+            merged.score_extras.setdefault(key, []).append(values[starts[k] + j])
     merged.num_reward_errors = sum(p.num_reward_errors for p in replicas)
     merged.num_reward_timeouts = sum(p.num_reward_timeouts for p in replicas)
+    merged.first_reward_failure = next((p.first_reward_failure for p in replicas if p.first_reward_failure), None)
     return merged
+
+
+def _aligned_extras(parts: list[Rollouts]) -> dict[str, list[float]]:
+    """The parts' extra metrics concatenated, NaN for the sequences of a part that lacks a key."""
+    keys = sorted({key for part in parts for key in part.score_extras})
+    return {key: [value for part in parts for value in part.score_extras.get(key, [math.nan] * len(part))]
+            for key in keys}

@@ -46,6 +46,7 @@ class SFTTrainer:
                           for prompt in self.data.prompts]
         self.sampler = ResumableSampler(len(self.data), config.data.train_batch_size, config.trainer.seed,
                                         shuffle=config.data.shuffle)
+        run.save_config()
         self.engine = MegatronEngine(self.layout, config.model, config.actor,
                                      total_optimizer_steps=config.trainer.total_steps)
         self.tracker = Tracker(config.trainer.loggers, self.run_dir,

@@ -3,16 +3,20 @@
     config, layout, run_dir = start_run(["--config", "configs/x.yaml", "actor.tp=2"])
 
 Every user mistake in the config fails here, before any process group or model exists, with a
-one-line `ConfigError` naming the dotted key.
+one-line `ConfigError` naming the dotted key. The trainers then check their other inputs (data,
+reward function, the checkpoint to resume) before building any model, and only then write the
+resolved config (`Run.save_config`): a run that fails at start-up leaves no config.yaml behind.
+A user error is raised alike on every rank; `exit_on_user_error` prints it once.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from megarl.config import ConfigError, RunConfig, load_config, save_resolved, validate_layout
 from megarl.distributed import ParallelLayout, init_layout
@@ -25,6 +29,11 @@ class Run:
     layout: ParallelLayout
     run_dir: Path
 
+    def save_config(self) -> None:
+        """Rank 0 writes the resolved config into the run directory (once the run's inputs are valid)."""
+        if self.layout.rank == 0:
+            save_resolved(self.config, self.run_dir / "config.yaml")
+
 
 def parse_config(argv: Sequence[str]) -> RunConfig:
     """`--config FILE key=value ...` -> a validated config that fits this torchrun world."""
@@ -35,6 +44,7 @@ def parse_config(argv: Sequence[str]) -> RunConfig:
     config = load_config(args.config, args.overrides)
     validate_layout(config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     check_registered_names(config)
+    check_estimator_needs(config)
     require(["core", *(["vllm"] if config.rollout.backend == "vllm" else []),
              *(["mlflow"] if "mlflow" in config.trainer.loggers else [])])
     if not (Path(config.model.path) / "config.json").is_file():
@@ -63,12 +73,27 @@ def check_registered_names(config: RunConfig) -> None:
                               f"{', '.join(registry.names())}")
 
 
+def check_estimator_needs(config: RunConfig) -> None:
+    """The rollout gives the advantage estimator what it declares it needs (`register_estimator`)."""
+    from megarl.algorithms import ADVANTAGE_ESTIMATORS
+
+    name = config.algorithm.adv_estimator
+    if ADVANTAGE_ESTIMATORS.get(name).needs_groups and config.rollout.n < 2:
+        raise ConfigError(f"config key 'rollout.n' = {config.rollout.n}: algorithm.adv_estimator={name!r} compares "
+                          "each response with the others to the same prompt; expected rollout.n >= 2")
+
+
 def start_run(argv: Sequence[str]) -> Run:
-    """Parse the config, join the torchrun world at the actor's layout; rank 0 writes config.yaml."""
+    """Parse the config and join the torchrun world at the actor's layout."""
     config = parse_config(argv)
     actor = config.actor
     layout = init_layout(tp=actor.tp, pp=actor.pp, cp=actor.cp, ep=actor.ep, seed=config.trainer.seed)
-    run_dir = Path(config.trainer.output_dir) / config.trainer.experiment_name
-    if layout.rank == 0:
-        save_resolved(config, run_dir / "config.yaml")
-    return Run(config, layout, run_dir)
+    return Run(config, layout, Path(config.trainer.output_dir) / config.trainer.experiment_name)
+
+
+def exit_on_user_error(error: ValueError) -> NoReturn:
+    """Exit with status 1; global rank 0 prints `megarl: <error>`, the others exit quietly (the
+    error, from the config, data or reward function, is the same on every rank)."""
+    if os.environ.get("RANK", "0") == "0":
+        sys.exit(f"megarl: {error}")
+    sys.exit(1)

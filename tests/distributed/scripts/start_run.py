@@ -1,4 +1,4 @@
-"""Start a run under torchrun and report the layout each rank joined."""
+"""Start a run under torchrun, write its config as a trainer does, and report the layout each rank joined."""
 
 import sys
 
@@ -7,5 +7,6 @@ import torch.distributed as dist
 from megarl.trainer.startup import start_run
 
 run = start_run(sys.argv[1:])
+run.save_config()
 print(f"rank {run.layout.rank}: {run.layout} tp_rank={run.layout.tp_rank} run_dir={run.run_dir}", flush=True)
 dist.destroy_process_group()

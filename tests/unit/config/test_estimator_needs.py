@@ -1,0 +1,35 @@
+"""Estimators declare what they need from the rollout; a config that cannot give it fails at start-up."""
+
+from __future__ import annotations
+
+import pytest
+
+from megarl.algorithms import ADVANTAGE_ESTIMATORS
+from megarl.config import ConfigError
+from megarl.trainer.startup import parse_config
+
+
+def test_group_relative_estimators_declare_that_they_need_groups():
+    needs_groups = {name for name in ADVANTAGE_ESTIMATORS.names() if ADVANTAGE_ESTIMATORS.get(name).needs_groups}
+    baseline = {name for name in ADVANTAGE_ESTIMATORS.names()
+                if ADVANTAGE_ESTIMATORS.get(name).needs_greedy_baseline}
+    assert needs_groups == {"grpo", "drgrpo", "rloo"} and baseline == {"remax"}
+
+
+def _parse(model, *overrides):
+    return parse_config(["--config", "configs/tiny_cpu.yaml", f"model.path={model}", *overrides])
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_one_response_per_prompt_with_a_group_estimator_fails_naming_both_keys(monkeypatch, tiny_models, estimator):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ConfigError) as error:
+        _parse(tiny_models["qwen2-tied"], "rollout.n=1", f"algorithm.adv_estimator={estimator}")
+    message = str(error.value)
+    assert "\n" not in message and "'rollout.n' = 1" in message and f"algorithm.adv_estimator='{estimator}'" in message
+
+
+def test_one_response_per_prompt_suits_estimators_without_groups(monkeypatch, tiny_models):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    config = _parse(tiny_models["qwen2-tied"], "rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus")
+    assert config.rollout.n == 1
