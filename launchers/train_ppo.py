@@ -11,7 +11,7 @@ from megarl.trainer.startup import start_run
 
 def main(argv: list[str]) -> None:
     try:
-        trainer = RLTrainer(start_run(argv))
+        trainer = RLTrainer(start_run(argv, rl=True))
     except ValueError as error:  # config and data errors: one line naming the key, file or row
         sys.exit(f"megarl: {error}")
     trainer.fit()

@@ -7,6 +7,7 @@ float 0/1 `mask_BR`. Nothing here knows about process groups or configs.
 from megarl.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
     NEEDS_GREEDY_BASELINE,
+    NEEDS_VALUES,
     AdvantageInputs,
     group_ids_from_index,
     masked_whiten,
@@ -28,6 +29,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "NEEDS_GREEDY_BASELINE",
+    "NEEDS_VALUES",
     "POLICY_LOSSES",
     "AdaptiveKLController",
     "AdvantageInputs",

@@ -39,6 +39,8 @@ WHITEN_EPS = 1e-8
 # Estimators whose inputs include the reward of a greedy response per prompt (baseline_rewards_B):
 # the trainer generates it for these.
 NEEDS_GREEDY_BASELINE = frozenset({"remax"})
+# Estimators whose inputs include critic values (values_BR): a run choosing one needs a critic.
+NEEDS_VALUES = frozenset({"gae"})
 
 
 @dataclass
