@@ -5,8 +5,11 @@
 
 import sys
 
-from megarl.trainer.sft import SFTTrainer
-from megarl.trainer.startup import start_run
+from megarl.tracking.console import quiet_third_party_logs
+
+quiet_third_party_logs()  # before the libraries are imported: some warn or log while importing
+from megarl.trainer.sft import SFTTrainer  # noqa: E402
+from megarl.trainer.startup import start_run  # noqa: E402
 
 
 def main(argv: list[str]) -> None:

@@ -1,6 +1,7 @@
 """Metrics of a run, to the console and to mlflow; only global rank 0 writes.
 
-mlflow defaults to a SQLite file in the run directory, an embedded store that needs no server:
+mlflow receives every step; the console (`megarl.tracking.console`) shows a progress bar and a line
+every `log_freq` steps. mlflow defaults to a SQLite file in the run directory, an embedded store that needs no server:
 `mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow.db` shows the run. The history of every
 metric is also kept in memory for the end-of-run curves (`megarl.trainer.curves`).
 """
@@ -11,8 +12,7 @@ import math
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
-CONSOLE_KEYS = ("sft/nll", "reward/mean", "val/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy",
-                "response_length/mean", "mismatch/logprob_abs_diff_max", "timing/step", "throughput/tokens_per_s")
+from megarl.tracking.console import Console
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
@@ -28,9 +28,10 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
 
 class Tracker:
     def __init__(self, loggers: list[str], run_dir: Path, experiment_name: str, tracking_uri: str, config,
-                 is_writer: bool, run_id: str | None = None):
+                 is_writer: bool, log_freq: int, last_step: int, run_id: str | None = None):
         """`run_id` continues an earlier mlflow run (a resumed job logs into the same run)."""
         self.loggers = set(loggers) if is_writer else set()
+        self.console = Console("console" in self.loggers, log_freq, last_step)
         self.history: dict[str, list[tuple[int, float]]] = {}
         self.run_dir = run_dir
         self._mlflow = None
@@ -53,9 +54,11 @@ class Tracker:
             self.history.setdefault(key, []).append((step, value))
         if self._mlflow is not None:
             self._mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in finite.items()}, step=step)
-        if "console" in self.loggers:
-            shown = "  ".join(f"{k}={finite[k]:.4g}" for k in CONSOLE_KEYS if k in finite)
-            print(f"step {step}: {shown}", flush=True)
+        self.console.show(finite, step)
+
+    def progress(self, steps: range):
+        """Iterate the training steps under the console's progress bar (rank 0)."""
+        return self.console.progress(steps)
 
     def log_artifact(self, path: Path) -> None:
         if self._mlflow is not None:
