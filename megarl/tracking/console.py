@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterator
 
 from tqdm import tqdm
 
@@ -56,14 +56,21 @@ class Console:
     def __init__(self, enabled: bool, log_freq: int, last_step: int):
         self.enabled, self.log_freq, self.last_step = enabled, log_freq, last_step
 
-    def progress(self, steps: range) -> Iterable[int]:
+    def progress(self, steps: range) -> Iterator[int]:
         """`steps` with a live bar of rate and ETA (a resumed run starts the bar at its first step)."""
         if not self.enabled:
-            return steps
+            yield from steps
+            return
         # A log file is no terminal: redraw rarely there, so that the bar does not fill it.
         interval = 0.5 if sys.stderr.isatty() else 60.0
-        return tqdm(steps, initial=steps.start - 1, total=steps.stop - 1, unit="step", dynamic_ncols=True,
-                    mininterval=interval)
+        bar = tqdm(initial=steps.start - 1, total=steps.stop - 1, unit="step", dynamic_ncols=True,
+                   mininterval=interval)
+        try:
+            for step in steps:
+                yield step
+                bar.update()  # after the step; counted here (not by iterating tqdm) so redraws are current
+        finally:
+            bar.close()
 
     def show(self, metrics: dict[str, float], step: int) -> None:
         if not self.enabled:
