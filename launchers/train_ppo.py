@@ -5,14 +5,17 @@
 
 import sys
 
-from megarl.rewards import RewardFunctionError
-from megarl.trainer.rl_trainer import RLTrainer
-from megarl.trainer.startup import exit_on_user_error, start_run
+from megarl.tracking.console import quiet_third_party_logs
+
+quiet_third_party_logs()  # before the libraries are imported: some warn or log while importing
+from megarl.rewards import RewardFunctionError  # noqa: E402
+from megarl.trainer.rl_trainer import RLTrainer  # noqa: E402
+from megarl.trainer.startup import exit_on_user_error, start_run  # noqa: E402
 
 
 def main(argv: list[str]) -> None:
     try:
-        trainer = RLTrainer(start_run(argv))
+        trainer = RLTrainer(start_run(argv, rl=True))
     except ValueError as error:  # config and data errors: one line naming the key, file or row
         exit_on_user_error(error)
     try:

@@ -5,13 +5,16 @@
 
 import sys
 
-from megarl.trainer.sft import SFTTrainer
-from megarl.trainer.startup import exit_on_user_error, start_run
+from megarl.tracking.console import quiet_third_party_logs
+
+quiet_third_party_logs()  # before the libraries are imported: some warn or log while importing
+from megarl.trainer.sft import SFTTrainer  # noqa: E402
+from megarl.trainer.startup import exit_on_user_error, start_run  # noqa: E402
 
 
 def main(argv: list[str]) -> None:
     try:
-        trainer = SFTTrainer(start_run(argv))
+        trainer = SFTTrainer(start_run(argv, rl=False))
     except ValueError as error:  # config and data errors: one line naming the key, file or row
         exit_on_user_error(error)
     trainer.fit()

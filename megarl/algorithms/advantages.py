@@ -62,7 +62,8 @@ ADVANTAGE_ESTIMATORS: Registry[Callable[[AdvantageInputs], tuple[Tensor, Tensor]
 )
 
 
-def register_estimator(name: str, *, needs_groups: bool = False, needs_greedy_baseline: bool = False):
+def register_estimator(name: str, *, needs_groups: bool = False, needs_greedy_baseline: bool = False,
+                       needs_values: bool = False):
     """Register an estimator with what it needs from the trainer, as attributes of the function, so
     that the trainer asks the estimator rather than branching on its name:
 
@@ -70,10 +71,12 @@ def register_estimator(name: str, *, needs_groups: bool = False, needs_greedy_ba
                            group of one has no signal (rollout.n must be at least 2)
     needs_greedy_baseline  its inputs include the reward of a greedy response per prompt
                            (baseline_rewards_B), which the trainer generates for it
+    needs_values           its inputs include critic values (values_BR): a run choosing it needs a critic
     """
 
     def add(estimator):
         estimator.needs_groups, estimator.needs_greedy_baseline = needs_groups, needs_greedy_baseline
+        estimator.needs_values = needs_values
         return ADVANTAGE_ESTIMATORS.register(name)(estimator)
 
     return add
@@ -115,7 +118,7 @@ def _outcome_scores(inputs: AdvantageInputs) -> Tensor:
     return (inputs.token_rewards_BR * inputs.mask_BR).sum(dim=-1)
 
 
-@register_estimator("gae")
+@register_estimator("gae", needs_values=True)
 @torch.no_grad()
 def gae(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     if inputs.values_BR is None:

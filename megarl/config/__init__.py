@@ -1,6 +1,13 @@
 """Run configuration: typed dataclass schema, YAML + CLI override loading, validation."""
 
-from megarl.config.loader import ConfigError, load_config, save_resolved, validate, validate_layout
+from megarl.config.loader import (
+    ConfigError,
+    load_config,
+    save_resolved,
+    validate,
+    validate_batches,
+    validate_layout,
+)
 from megarl.config.schema import ActorConfig, ModelConfig, ParallelConfig, RunConfig, TrainerConfig
 
 __all__ = [
@@ -13,5 +20,6 @@ __all__ = [
     "load_config",
     "save_resolved",
     "validate",
+    "validate_batches",
     "validate_layout",
 ]

@@ -17,7 +17,17 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, ValidationError
 
-from megarl.config.schema import DTYPES, LAYER_SPECS, LR_DECAY_STYLES, OPTIMIZERS, RESUME_MODES, RunConfig
+from megarl.config.schema import (
+    DTYPES,
+    KL_CONTROLLERS,
+    LAYER_SPECS,
+    LOGGERS,
+    LR_DECAY_STYLES,
+    OPTIMIZERS,
+    RESUME_MODES,
+    EngineConfig,
+    RunConfig,
+)
 
 
 class ConfigError(ValueError):
@@ -61,25 +71,33 @@ def load_config(path: str | None, overrides: Sequence[str] = ()) -> RunConfig:
 
 
 def validate(config: RunConfig) -> None:
-    """Check values that types alone cannot: choices and numeric ranges."""
+    """Check values that types alone cannot: choices, numeric ranges, features not implemented."""
     _check_choice("model.dtype", config.model.dtype, DTYPES)
     _check_choice("model.layer_spec", config.model.layer_spec, LAYER_SPECS)
     _check_at_least("model.make_vocab_size_divisible_by", config.model.make_vocab_size_divisible_by, 1)
     actor = config.actor
-    for name in ("tp", "pp", "cp", "ep", "ppo_mini_batch_size", "ppo_epochs", "micro_batch_size_per_rank",
-                 "max_token_len_per_rank", "logprob_chunk_size"):
+    for name in ("tp", "pp"):
         _check_at_least(f"actor.{name}", getattr(actor, name), 1)
-    _check_choice("actor.optim.optimizer", actor.optim.optimizer, OPTIMIZERS)
-    _check_choice("actor.optim.lr_decay_style", actor.optim.lr_decay_style, LR_DECAY_STYLES)
-    _check_at_least("actor.optim.lr_warmup_steps", actor.optim.lr_warmup_steps, 0)
+    # Accepted by megatron-core but not implemented here: nothing splits the sequence over CP ranks
+    # (the local attention asserts CP=1) and no expert-parallel token dispatch is wired up.
+    _check_supported("actor.cp", actor.cp, "context parallelism is not implemented")
+    _check_supported("actor.ep", actor.ep, "expert parallelism is not implemented")
+    _check_engine("actor", actor)
+    _check_engine("critic", config.critic)
+    _check_at_least("data.train_batch_size", config.data.train_batch_size, 1)
+    _check_at_least("rollout.tp", config.rollout.tp, 1)
+    _check_choice("algorithm.kl_ctrl.type", config.algorithm.kl_ctrl.type, KL_CONTROLLERS)
     _check_at_least("trainer.total_steps", config.trainer.total_steps, 1)
+    _check_at_least("trainer.log_freq", config.trainer.log_freq, 1)
+    for logger in config.trainer.loggers:
+        _check_choice("trainer.loggers", logger, LOGGERS)
     _check_choice("trainer.resume_mode", config.trainer.resume_mode, RESUME_MODES)
     if config.trainer.resume_mode == "path" and not config.trainer.resume_path:
         raise ConfigError("config key 'trainer.resume_path' is required when trainer.resume_mode=path")
 
 
 def validate_layout(config: RunConfig, world_size: int) -> None:
-    """Check that the actor's parallel sizes fit `world_size` ranks."""
+    """Check that the parallel sizes fit `world_size` ranks and every mini-batch splits over DP."""
     assert world_size >= 1, world_size
     actor = config.actor
     model_parallel = actor.tp * actor.pp * actor.cp
@@ -88,14 +106,42 @@ def validate_layout(config: RunConfig, world_size: int) -> None:
             f"world size {world_size} is not divisible by actor.tp * actor.pp * actor.cp = "
             f"{model_parallel}; allowed: world sizes that are multiples of {model_parallel}"
         )
-    # Megatron carves expert-parallel groups out of the DP * CP ranks of each pipeline stage.
-    expert_ranks = world_size // model_parallel * actor.cp
-    if expert_ranks % actor.ep != 0:
-        divisors = ", ".join(str(d) for d in range(1, expert_ranks + 1) if expert_ranks % d == 0)
+    if world_size % config.rollout.tp != 0:
         raise ConfigError(
-            f"config key 'actor.ep' = {actor.ep} does not divide data-parallel size * actor.cp = "
-            f"{expert_ranks} at world size {world_size}; allowed: {divisors}"
+            f"config key 'rollout.tp' = {config.rollout.tp} does not divide world size {world_size}; "
+            f"allowed: {_divisors(world_size)}"
         )
+
+
+def validate_batches(config: RunConfig, world_size: int, rl: bool) -> None:
+    """Check that every batch a training step splits over the DP ranks does split: evenly with
+    fixed-size micro-batches, at least one sequence per rank with dynamic batching. An RL update
+    takes mini-batches of `ppo_mini_batch_size` prompts times `rollout.n` (the last one may be
+    smaller); an SFT step takes `data.train_batch_size` sequences at once."""
+    actor = config.actor
+    dp = world_size // (actor.tp * actor.pp * actor.cp)
+    batch = config.data.train_batch_size
+    if not rl:
+        _check_splits("data.train_batch_size", batch, batch, 1, actor.use_dynamic_batch_size, dp)
+        return
+    for section, engine in (("actor", actor), *((("critic", config.critic),) if config.critic.enable else ())):
+        mini = min(engine.ppo_mini_batch_size, batch)
+        _check_splits(f"{section}.ppo_mini_batch_size", engine.ppo_mini_batch_size, mini, config.rollout.n,
+                      engine.use_dynamic_batch_size, dp)
+        if batch % mini:
+            _check_splits("data.train_batch_size", batch, batch % mini, config.rollout.n,
+                          engine.use_dynamic_batch_size, dp)
+
+
+def _check_splits(key: str, value: int, prompts: int, samples_per_prompt: int, dynamic: bool, dp: int) -> None:
+    sequences = prompts * samples_per_prompt
+    if sequences >= dp if dynamic else sequences % dp == 0:
+        return
+    raise ConfigError(
+        f"config key '{key}' = {value} gives batches of {prompts} prompts * {samples_per_prompt} samples "
+        f"(rollout.n) = {sequences} sequences, which do not split over {dp} DP ranks; allowed: sequences per "
+        f"batch {'at least' if dynamic else 'a multiple of'} {dp}"
+    )
 
 
 def save_resolved(config: RunConfig, path: str | Path) -> None:
@@ -183,6 +229,24 @@ def _check_choice(key: str, value: str, allowed: Sequence[str]) -> None:
 def _check_at_least(key: str, value: int, minimum: int) -> None:
     if value < minimum:
         raise ConfigError(f"config key '{key}' = {value} is out of range; allowed: integers >= {minimum}")
+
+
+def _check_engine(section: str, engine: EngineConfig) -> None:
+    for name in ("ppo_mini_batch_size", "ppo_epochs", "micro_batch_size_per_rank", "max_token_len_per_rank",
+                 "logprob_chunk_size"):
+        _check_at_least(f"{section}.{name}", getattr(engine, name), 1)
+    _check_choice(f"{section}.optim.optimizer", engine.optim.optimizer, OPTIMIZERS)
+    _check_choice(f"{section}.optim.lr_decay_style", engine.optim.lr_decay_style, LR_DECAY_STYLES)
+    _check_at_least(f"{section}.optim.lr_warmup_steps", engine.optim.lr_warmup_steps, 0)
+
+
+def _check_supported(key: str, value: int, reason: str) -> None:
+    if value != 1:
+        raise ConfigError(f"config key '{key}' = {value} is not supported: {reason}; allowed: 1")
+
+
+def _divisors(number: int) -> str:
+    return ", ".join(str(d) for d in range(1, number + 1) if number % d == 0)
 
 
 def _one_line(error: yaml.YAMLError) -> str:

@@ -46,10 +46,10 @@ class ParallelConfig:
     """Pipeline-parallel size."""
 
     cp: int = 1
-    """Context-parallel size (the sequence is split across this many ranks)."""
+    """Context-parallel size; only 1 is supported (nothing splits the sequence yet)."""
 
     ep: int = 1
-    """Expert-parallel size; expert groups are carved out of the DP * CP ranks."""
+    """Expert-parallel size; only 1 is supported (no expert-parallel dispatch yet)."""
 
 
 @dataclass
@@ -246,7 +246,7 @@ class RolloutConfig:
 @dataclass
 class KLControlConfig:
     type: str = "fixed"
-    """fixed or adaptive (Ziegler et al.)."""
+    """One of KL_CONTROLLERS: fixed or adaptive (Ziegler et al.)."""
 
     coef: float = 0.001
     """(Initial) KL coefficient."""
@@ -331,6 +331,10 @@ class TrainerConfig:
 
     loggers: list[str] = field(default_factory=lambda: ["console", "mlflow"])
     """Metric sinks, from LOGGERS."""
+
+    log_freq: int = 10
+    """Print a console metrics line every this many steps (and at validations and the last step);
+    mlflow receives every step."""
 
     mlflow_tracking_uri: str = ""
     """mlflow store; empty: a local SQLite file in the run directory."""

@@ -1,11 +1,12 @@
 """Running the resharding plan every RL step: training shards -> colocated rollout engine.
 
 Set-up (once): every rank describes the HF slices its shards hold, the descriptions are
-all-gathered, and every rank computes the same plan. Each sync then walks the model in buckets of
-whole layers (the engine processes a layer once all its tensors arrived, so a layer never spans
-two loads). Per bucket, the bucket's transfers run as one `batch_isend_irecv`; slices a rank holds
-itself are copied locally; the bucket's HF tensors go to the engine and are freed before the next
-bucket, so no rank holds more than one bucket (plus column-slice staging) beyond its own shards.
+all-gathered, and every rank computes the same plan. Each sync is one load into the engine, fed by
+a generator that walks the model in buckets of whole layers (the engine processes a layer once all
+its tensors arrived, so a layer never spans two buckets). Per bucket, the bucket's transfers run as
+one `batch_isend_irecv`; slices a rank holds itself are copied locally; the bucket's HF tensors go
+to the engine and are freed before the next bucket, so no rank holds more than one bucket (plus
+column-slice staging) beyond its own shards.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -35,6 +37,17 @@ class SyncStats:
     lower_bound: int
     peak_extra_bytes: int
     """Largest bucket this rank held beyond its own shards: received tensors plus send buffers."""
+
+
+@dataclass
+class _SyncProgress:
+    """What one sync's generator has done so far (read by `sync` for stats and error messages)."""
+
+    bucket: list[str] | None = None
+    transfer_seconds: float = 0.0
+    received: int = 0
+    sent: int = 0
+    peak: int = 0
 
 
 def local_sources(module: torch.nn.Module, arch: Architecture, layout: ParallelLayout) -> list[SourcePiece]:
@@ -116,61 +129,74 @@ class WeightSync:
 
     @torch.no_grad()
     def sync(self, step: int) -> SyncStats:
-        """Load the current training weights into the engine; all ranks call this together."""
+        """Load the current training weights into the engine; all ranks call this together.
+
+        The engine gets one load per sync, fed by a generator that moves one bucket at a time: a
+        bucket's transfers run when the engine asks for its first tensor, so the engine processes
+        each layer once, as soon as its tensors arrived. The generator's collectives are entered by
+        every rank in bucket order because every engine consumes the whole iterator in order."""
         start_time = time.perf_counter()
-        params = dict(self.module.named_parameters())
-        received = sent = peak = 0
-        load_seconds = 0.0
+        progress = _SyncProgress()
         self.engine.begin_weight_update(step)
-        for names in self.buckets:
-            in_bucket = set(names)
-            transfers = [t for t in self.plan.transfers if t.hf_name in in_bucket
-                         and self.rank in (t.src, t.dst)]
-            device = next(iter(params.values())).device
-            tensors = {t.hf_name: torch.empty(self.hf_shapes[t.hf_name], dtype=self.dtype, device=device)
-                       for t in transfers if t.dst == self.rank}
-            # One message per transfer, in plan order on both sides (p2p messages between a pair of
-            # ranks arrive in order). Contiguous slices (splits along dim 0) are sent from the shard
-            # and received into the destination tensor directly; only column slices need a buffer.
-            ops, unpack, buffer_bytes = [], [], 0
-            for t in transfers:
-                if t.src == t.dst:
-                    tensors[t.hf_name].narrow(t.dim, t.start, t.stop - t.start).copy_(self._shard_slice(params, t))
-                elif t.src == self.rank:
-                    piece = self._shard_slice(params, t)
-                    if not piece.is_contiguous():
-                        piece = piece.contiguous()
-                        buffer_bytes += piece.numel() * piece.element_size()
-                    ops.append(dist.P2POp(dist.isend, piece, t.dst))
-                    sent += piece.numel() * piece.element_size()
-                else:
-                    target = tensors[t.hf_name].narrow(t.dim, t.start, t.stop - t.start)
-                    landing = target if target.is_contiguous() else torch.empty_like(target)
-                    if landing is not target:
-                        unpack.append((landing, target))
-                        buffer_bytes += landing.numel() * landing.element_size()
-                    ops.append(dist.P2POp(dist.irecv, landing, t.src))
-                    received += landing.numel() * landing.element_size()
-            if ops:
-                for request in dist.batch_isend_irecv(ops):
-                    request.wait()
-            for landing, target in unpack:
-                target.copy_(landing)
-            needed_here = sum(self.plan.slice_bytes(t.hf_name, t.dim, t.start, t.stop) for t in transfers
-                              if t.dst == self.rank)
-            peak = max(peak, needed_here + buffer_bytes)
-            load_start = time.perf_counter()
-            try:
-                self.engine.load_weights(tensors.items())
-            except Exception as error:
-                raise RuntimeError(
-                    f"weight sync of step {step} failed loading {names[0]} .. {names[-1]} into the rollout "
-                    f"engine; it refuses to generate until a sync succeeds: {error}"
-                ) from error
-            load_seconds += time.perf_counter() - load_start
-            del tensors, ops, unpack
+        try:
+            self.engine.load_weights(self._buckets_in(progress))
+        except Exception as error:
+            names = progress.bucket or ["(before the first bucket)"]
+            raise RuntimeError(
+                f"weight sync of step {step} failed loading {names[0]} .. {names[-1]} into the rollout "
+                f"engine; it refuses to generate until a sync succeeds: {error}"
+            ) from error
         load_start = time.perf_counter()
         self.engine.end_weight_update()
-        load_seconds += time.perf_counter() - load_start
-        return SyncStats(time.perf_counter() - start_time, load_seconds, received, sent,
-                         self.plan.lower_bound(self.rank), peak)
+        end_seconds = time.perf_counter() - load_start
+        load_seconds = load_start - start_time - progress.transfer_seconds + end_seconds
+        return SyncStats(time.perf_counter() - start_time, load_seconds, progress.received, progress.sent,
+                         self.plan.lower_bound(self.rank), progress.peak)
+
+    def _buckets_in(self, progress: _SyncProgress) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's HF tensors, bucket by bucket; a bucket is freed before the next one arrives."""
+        params = dict(self.module.named_parameters())
+        for names in self.buckets:
+            transfer_start = time.perf_counter()
+            progress.bucket = names
+            tensors = self._receive_bucket(params, set(names), progress)
+            progress.transfer_seconds += time.perf_counter() - transfer_start
+            yield from tensors.items()
+            del tensors  # before the next bucket arrives, not after
+
+    def _receive_bucket(self, params: dict, in_bucket: set[str], progress: _SyncProgress) -> dict[str, torch.Tensor]:
+        transfers = [t for t in self.plan.transfers if t.hf_name in in_bucket and self.rank in (t.src, t.dst)]
+        device = next(iter(params.values())).device
+        tensors = {t.hf_name: torch.empty(self.hf_shapes[t.hf_name], dtype=self.dtype, device=device)
+                   for t in transfers if t.dst == self.rank}
+        # One message per transfer, in plan order on both sides (p2p messages between a pair of
+        # ranks arrive in order). Contiguous slices (splits along dim 0) are sent from the shard
+        # and received into the destination tensor directly; only column slices need a buffer.
+        ops, unpack, buffer_bytes = [], [], 0
+        for t in transfers:
+            if t.src == t.dst:
+                tensors[t.hf_name].narrow(t.dim, t.start, t.stop - t.start).copy_(self._shard_slice(params, t))
+            elif t.src == self.rank:
+                piece = self._shard_slice(params, t)
+                if not piece.is_contiguous():
+                    piece = piece.contiguous()
+                    buffer_bytes += piece.numel() * piece.element_size()
+                ops.append(dist.P2POp(dist.isend, piece, t.dst))
+                progress.sent += piece.numel() * piece.element_size()
+            else:
+                target = tensors[t.hf_name].narrow(t.dim, t.start, t.stop - t.start)
+                landing = target if target.is_contiguous() else torch.empty_like(target)
+                if landing is not target:
+                    unpack.append((landing, target))
+                    buffer_bytes += landing.numel() * landing.element_size()
+                ops.append(dist.P2POp(dist.irecv, landing, t.src))
+                progress.received += landing.numel() * landing.element_size()
+        if ops:
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
+        for landing, target in unpack:
+            target.copy_(landing)
+        needed_here = sum(self.plan.slice_bytes(t.hf_name, t.dim, t.start, t.stop) for t in transfers
+                          if t.dst == self.rank)
+        progress.peak = max(progress.peak, needed_here + buffer_bytes)
+        return tensors

@@ -45,7 +45,9 @@ class RolloutEngine(Protocol):
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> RolloutOutput: ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load some HF-named tensors; complete units only (all tensors of a layer together)."""
+        """Load the HF-named tensors of one weight update, all in this one call. `weights` may be a
+        generator that receives them as they are consumed (running collectives): consume it whole
+        and in order, so that every rank enters its collectives in the same order."""
 
     def begin_weight_update(self, step: int) -> None:
         """Mark the engine as loading: generation is refused until `end_weight_update`."""

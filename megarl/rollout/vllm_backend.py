@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import glob
+import logging
 import os
 import random
 from typing import Iterable
@@ -41,6 +42,28 @@ def _preserve_process_state():
         gc.unfreeze()
 
 
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class _NothingToReload(logging.Filter):
+    """Drops vLLM's "<layer>: Failed to load weights" for the layers a reload never feeds, by design.
+
+    A rotary embedding's only tensor is its cos/sin cache, computed from the config and absent from
+    every checkpoint; a tied LM head's weight is the embedding's Parameter, reloaded through
+    `embed_tokens` (and re-packed by `_refresh_lm_head`). vLLM keeps both as they are. Any other
+    layer that received nothing still warns: that would be a weight left stale, a bug."""
+
+    def __init__(self, tied_lm_head: bool):
+        super().__init__()
+        self.tied_lm_head = tied_lm_head
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != "%s: Failed to load weights":
+            return True
+        layer = record.args[0]
+        return not (layer.endswith("RotaryEmbedding") or (self.tied_lm_head and layer == "ParallelLMHead"))
+
+
 @ROLLOUT_BACKENDS.register("vllm")
 class VLLMRollout:
     def __init__(self, model_dir: str, dtype: str, tensor_parallel_size: int, max_model_len: int,
@@ -62,6 +85,8 @@ class VLLMRollout:
                 load_format="dummy" if dummy_weights else "auto", **memory,
             )
         self.guard = WeightUpdateGuard(has_weights=not dummy_weights)
+        tied = self.llm.llm_engine.model_config.hf_config.tie_word_embeddings
+        logging.getLogger(_RELOAD_LOGGER).addFilter(_NothingToReload(tied_lm_head=bool(tied)))
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> RolloutOutput:
         from vllm import SamplingParams, TokensPrompt
@@ -91,8 +116,10 @@ class VLLMRollout:
             self.llm.wake_up(tags=["weights"])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """One in-place reload: vLLM moves every layer to meta, loads `weights` as they come (a
+        generator is consumed lazily, in order) and processes each layer once its tensors are in."""
         try:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         except Exception:
             self.llm.collective_rpc(_abandon_partial_reload)
             raise

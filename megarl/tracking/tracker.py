@@ -1,11 +1,12 @@
 """Metrics of a run, to the console and to mlflow; only global rank 0 writes.
 
-mlflow defaults to a SQLite file in the run directory, an embedded store that needs no server:
-`mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow.db` shows the run. Its artifacts (curves,
-config) are kept beside it in `<run_dir>/mlartifacts`; mlflow's own default, `./mlruns` of whatever
-directory the job was started from, would scatter them away from the run and mix those of every
-run directory (each store numbers its experiment 1). The history of every metric is also kept in
-memory for the end-of-run curves (`megarl.trainer.curves`).
+mlflow receives every step; the console (`megarl.tracking.console`) shows a progress bar and a line
+every `log_freq` steps. mlflow defaults to a SQLite file in the run directory, an embedded store that
+needs no server: `mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow.db` shows the run. Its
+artifacts (curves, config) are kept beside it in `<run_dir>/mlartifacts`; mlflow's own default,
+`./mlruns` of whatever directory the job was started from, would scatter them away from the run and
+mix those of every run directory (each store numbers its experiment 1). The history of every metric
+is also kept in memory for the end-of-run curves (`megarl.trainer.curves`).
 
 A resumed job continues the mlflow run its checkpoint names. When the store does not have that run
 (the checkpoint came from another experiment, or `trainer.output_dir` changed since) it logs to a
@@ -19,10 +20,10 @@ import math
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
+from megarl.tracking.console import Console
+
 logger = logging.getLogger(__name__)
 ARTIFACT_DIR = "mlartifacts"
-CONSOLE_KEYS = ("sft/nll", "reward/mean", "val/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy",
-                "response_length/mean", "mismatch/logprob_abs_diff_max", "timing/step", "throughput/tokens_per_s")
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
@@ -51,9 +52,10 @@ def _has_run(mlflow, run_id: str) -> bool:
 
 class Tracker:
     def __init__(self, loggers: list[str], run_dir: Path, experiment_name: str, tracking_uri: str, config,
-                 is_writer: bool, run_id: str | None = None):
+                 is_writer: bool, log_freq: int, last_step: int, run_id: str | None = None):
         """`run_id` continues an earlier mlflow run (a resumed job logs into the same run)."""
         self.loggers = set(loggers) if is_writer else set()
+        self.console = Console("console" in self.loggers, log_freq, last_step)
         self.history: dict[str, list[tuple[int, float]]] = {}
         self.run_dir = run_dir
         self._mlflow = None
@@ -83,9 +85,11 @@ class Tracker:
             self.history.setdefault(key, []).append((step, value))
         if self._mlflow is not None:
             self._mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in finite.items()}, step=step)
-        if "console" in self.loggers:
-            shown = "  ".join(f"{k}={finite[k]:.4g}" for k in CONSOLE_KEYS if k in finite)
-            print(f"step {step}: {shown}", flush=True)
+        self.console.show(finite, step)
+
+    def progress(self, steps: range):
+        """Iterate the training steps under the console's progress bar (rank 0)."""
+        return self.console.progress(steps)
 
     def log_artifact(self, path: Path) -> None:
         if self._mlflow is not None:

@@ -92,7 +92,8 @@ class RLTrainer:
             if self.layout.rank == 0:
                 print(f"resumed from {resume_from} (step {state['step']})", flush=True)
         self.tracker = Tracker(trainer.loggers, self.run_dir, trainer.experiment_name, trainer.mlflow_tracking_uri,
-                               config, is_writer=self.layout.rank == 0, run_id=run_id)
+                               config, is_writer=self.layout.rank == 0, log_freq=trainer.log_freq,
+                               last_step=trainer.total_steps, run_id=run_id)
 
     # ---- set-up -----------------------------------------------------------------------------------
 
@@ -138,7 +139,7 @@ class RLTrainer:
         last = {}
         if self.val_data is not None and trainer.val_before_train and self.start_step == 1:
             self.tracker.log(self.validate(step=0), step=0)
-        for step in range(self.start_step, trainer.total_steps + 1):
+        for step in self.tracker.progress(range(self.start_step, trainer.total_steps + 1)):
             self.checkpointer.poll()
             last = self.step(step)
             if self.val_data is not None and (step == trainer.total_steps or

@@ -51,7 +51,8 @@ class SFTTrainer:
                                      total_optimizer_steps=config.trainer.total_steps)
         self.tracker = Tracker(config.trainer.loggers, self.run_dir,
                                config.trainer.experiment_name, config.trainer.mlflow_tracking_uri, config,
-                               is_writer=self.layout.rank == 0)
+                               is_writer=self.layout.rank == 0, log_freq=config.trainer.log_freq,
+                               last_step=config.trainer.total_steps)
 
     def batch(self, indices: list[int]) -> SequenceBatch:
         sequences = [self.data[i].prompt_ids + self.responses[i] for i in indices]
@@ -62,7 +63,7 @@ class SFTTrainer:
                              torch.tensor([len(self.responses[i]) for i in indices]))
 
     def fit(self) -> None:
-        for step in range(1, self.config.trainer.total_steps + 1):
+        for step in self.tracker.progress(range(1, self.config.trainer.total_steps + 1)):
             metrics, _ = self.engine.train_mini_batch(self.batch(self.sampler.next_batch()), negative_log_likelihood)
             self.tracker.log({"sft/nll": metrics["sft/nll"], "actor/grad_norm": metrics["grad_norm"],
                               "actor/lr": metrics["lr"]}, step)

@@ -1,6 +1,6 @@
 """Start-up shared by the launchers: config, layout check, joining the world, the run directory.
 
-    config, layout, run_dir = start_run(["--config", "configs/x.yaml", "actor.tp=2"])
+    config, layout, run_dir = start_run(["--config", "configs/x.yaml", "actor.tp=2"], rl=True)
 
 Every user mistake in the config fails here, before any process group or model exists, with a
 one-line `ConfigError` naming the dotted key. The trainers then check their other inputs (data,
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn, Sequence
 
-from megarl.config import ConfigError, RunConfig, load_config, save_resolved, validate_layout
+from megarl.config import ConfigError, RunConfig, load_config, save_resolved, validate_batches, validate_layout
 from megarl.distributed import ParallelLayout, init_layout
 from megarl.doctor import require
 
@@ -35,16 +35,20 @@ class Run:
             save_resolved(self.config, self.run_dir / "config.yaml")
 
 
-def parse_config(argv: Sequence[str]) -> RunConfig:
-    """`--config FILE key=value ...` -> a validated config that fits this torchrun world."""
+def parse_config(argv: Sequence[str], rl: bool) -> RunConfig:
+    """`--config FILE key=value ...` -> a validated config that fits this torchrun world; `rl` selects
+    the batch checks of an RL run (mini-batches of prompts times rollout.n) or of SFT."""
     parser = argparse.ArgumentParser(description="megarl run: a YAML config plus dotted overrides")
     parser.add_argument("--config", help="YAML file under configs/")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.tp=2 trainer.total_steps=5")
     args = parser.parse_args(argv)
     config = load_config(args.config, args.overrides)
-    validate_layout(config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    validate_layout(config, world_size)
+    validate_batches(config, world_size, rl)
     check_registered_names(config)
-    check_estimator_needs(config)
+    if rl:
+        check_estimator_needs(config)
     require(["core", *(["vllm"] if config.rollout.backend == "vllm" else []),
              *(["mlflow"] if "mlflow" in config.trainer.loggers else [])])
     if not (Path(config.model.path) / "config.json").is_file():
@@ -74,18 +78,22 @@ def check_registered_names(config: RunConfig) -> None:
 
 
 def check_estimator_needs(config: RunConfig) -> None:
-    """The rollout gives the advantage estimator what it declares it needs (`register_estimator`)."""
+    """The rollout and models give the advantage estimator what it declares it needs (`register_estimator`)."""
     from megarl.algorithms import ADVANTAGE_ESTIMATORS
 
     name = config.algorithm.adv_estimator
-    if ADVANTAGE_ESTIMATORS.get(name).needs_groups and config.rollout.n < 2:
+    estimator = ADVANTAGE_ESTIMATORS.get(name)
+    if estimator.needs_groups and config.rollout.n < 2:
         raise ConfigError(f"config key 'rollout.n' = {config.rollout.n}: algorithm.adv_estimator={name!r} compares "
                           "each response with the others to the same prompt; expected rollout.n >= 2")
+    if estimator.needs_values and not config.critic.enable:
+        raise ConfigError(f"config key 'algorithm.adv_estimator' = {name!r} needs a critic; set critic.enable=true "
+                          "or choose an estimator without values (e.g. grpo)")
 
 
-def start_run(argv: Sequence[str]) -> Run:
+def start_run(argv: Sequence[str], rl: bool) -> Run:
     """Parse the config and join the torchrun world at the actor's layout."""
-    config = parse_config(argv)
+    config = parse_config(argv, rl)
     actor = config.actor
     layout = init_layout(tp=actor.tp, pp=actor.pp, cp=actor.cp, ep=actor.ep, seed=config.trainer.seed)
     return Run(config, layout, Path(config.trainer.output_dir) / config.trainer.experiment_name)

@@ -11,11 +11,14 @@ syncs them into a vLLM engine and an `hf` engine on every rank, and reports (ran
 
 import argparse
 import json
+import logging
 import os
+from collections import Counter
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from vllm.model_executor.model_loader.reload import inplace, layerwise
 
 from megarl.config.schema import EngineConfig, ModelConfig, OptimizerConfig
 from megarl.distributed import init_layout
@@ -58,6 +61,50 @@ def make_batch(responses):
 
 def train_step(responses):
     return actor.train_mini_batch(make_batch(responses), nll)
+
+
+class ReloadCounter(logging.Handler):
+    """Counts calls into vLLM's own reload functions (unchanged, only counted) and the "Failed to
+    load weights" warnings that reach the log (past megarl's filter of the benign ones)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.reloads, self.processed, self.warnings = model, 0, Counter(), []
+        self.originals = inplace.initialize_layerwise_reload, layerwise._layerwise_process
+
+    def __enter__(self):
+        initialize, process = self.originals
+
+        def counted_initialize(model):
+            self.reloads += 1
+            return initialize(model)
+
+        def counted_process(layer, info):
+            self.processed[id(layer)] += 1
+            return process(layer, info)
+
+        inplace.initialize_layerwise_reload, layerwise._layerwise_process = counted_initialize, counted_process
+        logging.getLogger(layerwise.__name__).addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        inplace.initialize_layerwise_reload, layerwise._layerwise_process = self.originals
+        logging.getLogger(layerwise.__name__).removeHandler(self)
+
+    def emit(self, record):
+        if "Failed to load weights" in record.getMessage():
+            self.warnings.append(record.getMessage())
+
+    def each_owner_processed_once(self) -> bool:
+        """Every module owning a parameter no earlier module owns (a tied LM head owns the
+        embedding's) was processed exactly once, and nothing else was processed twice."""
+        seen, owners = set(), set()
+        for module in self.model.modules():
+            own = {id(p) for p in module.parameters(recurse=False)}
+            if own - seen:
+                owners.add(id(module))
+            seen |= own
+        return all(self.processed[owner] == 1 for owner in owners) and max(self.processed.values()) == 1
 
 
 train_step([[7, 8, 9, 10]] * 4)
@@ -103,8 +150,13 @@ report["greedy_logprob_diff"] = max(abs(a - b) for x, y in zip(vllm_out.logprobs
 report["bytes_received"], report["lower_bound"] = stats.bytes_received, stats.lower_bound
 
 # A second real step and sync, then the engine's sampled-token log-probs against the trainer's.
+# The sync is one vLLM reload: each layer is processed once, and no layer warns it got no weights.
 train_step(hf_out.response_ids)
-vllm_sync.sync(step=2)
+with ReloadCounter(vllm.llm.collective_rpc(lambda worker: worker.model_runner.model)[0]) as counter:
+    vllm_sync.sync(step=2)
+report["buckets"], report["reloads_per_sync"] = len(vllm_sync.buckets), counter.reloads
+report["layers_processed_once"] = counter.each_owner_processed_once()
+report["failed_load_warnings"] = counter.warnings
 sampled = vllm.generate(PROMPTS, Sampling(temperature=0.8, max_tokens=10, seed=3))
 batch = make_batch(sampled.response_ids)
 trainer_logprobs = actor.score(batch, temperature=0.8)["logprobs"]

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from megarl.trainer.startup import start_run
 
-run = start_run(sys.argv[1:])
+run = start_run(sys.argv[1:], rl=True)
 run.save_config()
 print(f"rank {run.layout.rank}: {run.layout} tp_rank={run.layout.tp_rank} run_dir={run.run_dir}", flush=True)
 dist.destroy_process_group()

@@ -13,11 +13,12 @@ def test_group_relative_estimators_declare_that_they_need_groups():
     needs_groups = {name for name in ADVANTAGE_ESTIMATORS.names() if ADVANTAGE_ESTIMATORS.get(name).needs_groups}
     baseline = {name for name in ADVANTAGE_ESTIMATORS.names()
                 if ADVANTAGE_ESTIMATORS.get(name).needs_greedy_baseline}
-    assert needs_groups == {"grpo", "drgrpo", "rloo"} and baseline == {"remax"}
+    values = {name for name in ADVANTAGE_ESTIMATORS.names() if ADVANTAGE_ESTIMATORS.get(name).needs_values}
+    assert needs_groups == {"grpo", "drgrpo", "rloo"} and baseline == {"remax"} and values == {"gae"}
 
 
 def _parse(model, *overrides):
-    return parse_config(["--config", "configs/tiny_cpu.yaml", f"model.path={model}", *overrides])
+    return parse_config(["--config", "configs/tiny_cpu.yaml", f"model.path={model}", *overrides], rl=True)
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo"])

@@ -13,6 +13,7 @@ from megarl.config import (
     TrainerConfig,
     load_config,
     save_resolved,
+    validate_batches,
     validate_layout,
 )
 
@@ -46,7 +47,7 @@ def test_overrides_without_yaml():
 
 
 def test_save_resolved_round_trips(tmp_path):
-    config = load_config(TINY_CPU, ["actor.cp=2", "model.layer_spec=local", "trainer.seed=7"])
+    config = load_config(TINY_CPU, ["actor.pp=2", "model.layer_spec=local", "trainer.seed=7"])
     saved = tmp_path / "run" / "config.yaml"
     save_resolved(config, saved)
     assert load_config(str(saved)) == config
@@ -74,7 +75,19 @@ BAD_CONFIGS = [
     bad("bad layer_spec", None, [P, "model.layer_spec=te"], "'model.layer_spec'", "transformer_engine"),
     bad("tp zero", None, [P, "actor.tp=0"], "'actor.tp' = 0", ">= 1"),
     bad("negative pp", M + "actor: {pp: -2}", [], "'actor.pp' = -2", ">= 1"),
-    bad("ep zero", None, [P, "actor.ep=0"], "'actor.ep' = 0", ">= 1"),
+    bad("ep zero", None, [P, "actor.ep=0"], "'actor.ep' = 0", "allowed: 1"),
+    bad("context parallel", None, [P, "actor.cp=2"], "'actor.cp' = 2", "not supported", "allowed: 1"),
+    bad("expert parallel", None, [P, "actor.ep=2"], "'actor.ep' = 2", "not supported", "allowed: 1"),
+    bad("critic mini-batch zero", None, [P, "critic.ppo_mini_batch_size=0"], "'critic.ppo_mini_batch_size' = 0",
+        ">= 1"),
+    bad("critic bad optimizer", None, [P, "critic.optim.optimizer=adamw"], "'critic.optim.optimizer'", "adam, sgd"),
+    bad("unknown KL controller", None, [P, "algorithm.kl_ctrl.type=adaptiv"], "'algorithm.kl_ctrl.type'",
+        "fixed, adaptive"),
+    bad("unknown logger", M + "trainer: {loggers: [console, wandb]}", [], "'trainer.loggers' = 'wandb'",
+        "console, mlflow"),
+    bad("log_freq zero", None, [P, "trainer.log_freq=0"], "'trainer.log_freq' = 0", ">= 1"),
+    bad("rollout tp zero", None, [P, "rollout.tp=0"], "'rollout.tp' = 0", ">= 1"),
+    bad("train batch zero", None, [P, "data.train_batch_size=0"], "'data.train_batch_size' = 0", ">= 1"),
     bad("total_steps zero", None, [P, "trainer.total_steps=0"], "'trainer.total_steps' = 0", ">= 1"),
     bad("override without =", None, [P, "actor.tp"], "'actor.tp'", "key=value"),
     bad("override with empty key", None, ["=3"], "'=3'", "key=value"),
@@ -108,26 +121,55 @@ def test_missing_file_is_named(tmp_path):
     assert "\n" not in str(raised.value)
 
 
-def _layout(tp=1, pp=1, cp=1, ep=1) -> RunConfig:
-    sizes = [f"actor.tp={tp}", f"actor.pp={pp}", f"actor.cp={cp}", f"actor.ep={ep}"]
-    return load_config(None, [P, *sizes])
+def _layout(*overrides: str) -> RunConfig:
+    return load_config(None, [P, *overrides])
 
 
 def test_layout_accepts_fitting_sizes():
-    validate_layout(_layout(tp=2, pp=2), world_size=4)
-    validate_layout(_layout(tp=2, ep=4), world_size=8)  # DP 4, CP 1: EP 4 fits
-    validate_layout(_layout(tp=2, cp=2, ep=4), world_size=8)  # DP 2 * CP 2 = 4 expert ranks
+    validate_layout(_layout("actor.tp=2", "actor.pp=2"), world_size=4)
+    validate_layout(_layout("actor.tp=2", "rollout.tp=4"), world_size=8)
 
 
 def test_layout_rejects_indivisible_world_size():
     with pytest.raises(ConfigError, match=r"world size 3 .*actor\.tp.*= 2; allowed: .*multiples of 2"):
-        validate_layout(_layout(tp=2), world_size=3)
+        validate_layout(_layout("actor.tp=2"), world_size=3)
 
 
-def test_layout_rejects_expert_parallel_not_dividing_dp_times_cp():
-    # world 8, TP 2 -> DP 4, CP 1 -> 4 expert ranks; EP 3 does not divide them.
-    with pytest.raises(ConfigError, match=r"'actor\.ep' = 3 .*allowed: 1, 2, 4"):
-        validate_layout(_layout(tp=2, ep=3), world_size=8)
-    # EP 8 exceeds DP * CP = 4.
-    with pytest.raises(ConfigError, match=r"'actor\.ep' = 8"):
-        validate_layout(_layout(tp=2, ep=8), world_size=8)
+def test_layout_rejects_rollout_tp_not_dividing_the_world():
+    with pytest.raises(ConfigError, match=r"'rollout\.tp' = 4 does not divide world size 6; allowed: 1, 2, 3, 6$"):
+        validate_layout(_layout("rollout.tp=4"), world_size=6)
+
+
+# (overrides, world size, rl, fragments of the message); the DP sizes in the comments are worked out by hand.
+BAD_BATCHES = [
+    pytest.param(["actor.ppo_mini_batch_size=3", "rollout.n=1", "data.train_batch_size=6"], 2, True,
+                 ["'actor.ppo_mini_batch_size' = 3", "3 sequences", "2 DP ranks"], id="mini-batch odd at DP 2"),
+    pytest.param(["actor.ppo_mini_batch_size=3", "rollout.n=2", "data.train_batch_size=5", "actor.tp=2"], 6, True,
+                 ["'data.train_batch_size' = 5", "2 prompts * 2 samples", "3 DP ranks"], id="last mini-batch"),
+    pytest.param(["critic.enable=true", "critic.ppo_mini_batch_size=1", "rollout.n=3", "data.train_batch_size=2"],
+                 2, True, ["'critic.ppo_mini_batch_size' = 1", "3 sequences"], id="critic mini-batch"),
+    pytest.param(["actor.use_dynamic_batch_size=true", "actor.ppo_mini_batch_size=1", "rollout.n=2"], 4, True,
+                 ["'actor.ppo_mini_batch_size' = 1", "at least 4"], id="dynamic needs one per rank"),
+    pytest.param(["data.train_batch_size=3"], 2, False, ["'data.train_batch_size' = 3", "2 DP ranks"], id="sft"),
+]
+
+
+@pytest.mark.parametrize("overrides, world_size, rl, fragments", BAD_BATCHES)
+def test_batches_that_do_not_split_over_dp_fail_naming_the_key(overrides, world_size, rl, fragments):
+    config = _layout(*overrides)
+    validate_layout(config, world_size)  # the layout itself fits
+    with pytest.raises(ConfigError) as raised:
+        validate_batches(config, world_size, rl)
+    assert "\n" not in str(raised.value)
+    for fragment in fragments:
+        assert fragment in str(raised.value)
+
+
+def test_batches_that_split_over_dp_pass():
+    # 3 prompts * 2 samples = 6 sequences over DP 2 (world 4, TP 2); SFT: 6 sequences over DP 3.
+    validate_batches(_layout("actor.ppo_mini_batch_size=3", "rollout.n=2", "data.train_batch_size=6",
+                             "actor.tp=2"), 4, rl=True)
+    validate_batches(_layout("data.train_batch_size=6", "rollout.n=5"), 3, rl=False)
+    # A critic that is not enabled is not checked; dynamic batching needs only one sequence per rank.
+    validate_batches(_layout("critic.ppo_mini_batch_size=1", "rollout.n=3", "actor.use_dynamic_batch_size=true",
+                             "actor.ppo_mini_batch_size=1"), 2, rl=True)

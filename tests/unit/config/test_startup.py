@@ -11,17 +11,42 @@ from megarl.trainer.startup import parse_config
 def test_layout_that_does_not_fit_the_world_fails_naming_actor_tp(monkeypatch, tiny_models):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match=r"actor\.tp \* actor\.pp \* actor\.cp = 2"):
-        parse_config(["--config", "configs/tiny_cpu.yaml", f"model.path={tiny_models['qwen2-tied']}", "actor.tp=2"])
+        parse_config(["--config", "configs/tiny_cpu.yaml", f"model.path={tiny_models['qwen2-tied']}", "actor.tp=2"], rl=True)
 
 
 def test_model_path_without_config_json_fails_naming_model_path(monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ConfigError, match=r"'model\.path' = .* has no config.json"):
-        parse_config(["--config", "configs/tiny_cpu.yaml", f"model.path={tmp_path}"])
+        parse_config(["--config", "configs/tiny_cpu.yaml", f"model.path={tmp_path}"], rl=True)
 
 
 def test_valid_start_up_config(monkeypatch, tiny_models):
     monkeypatch.setenv("WORLD_SIZE", "4")
     config = parse_config(["--config", "configs/tiny_cpu.yaml", f"model.path={tiny_models['qwen3-tied']}",
-                           "actor.tp=2", "actor.pp=2"])
+                           "actor.tp=2", "actor.pp=2"], rl=True)
     assert (config.actor.tp, config.actor.pp) == (2, 2)
+
+
+def test_world_size_checks_run_before_any_process_group(monkeypatch, tiny_models):
+    """rollout.tp and the mini-batch split are checked from WORLD_SIZE alone (torch.distributed stays
+    uninitialised): 2 ranks, rollout.tp=4; then 3 ranks (DP 3), 8 prompts * 8 samples = 64 sequences."""
+    import torch.distributed as dist
+
+    model = f"model.path={tiny_models['qwen2-tied']}"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"'rollout\.tp' = 4 does not divide world size 2"):
+        parse_config(["--config", "configs/tiny_cpu.yaml", model, "rollout.tp=4"], rl=True)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match=r"'actor\.ppo_mini_batch_size' = 8 .* 64 sequences, .* 3 DP ranks"):
+        parse_config(["--config", "configs/tiny_cpu.yaml", model], rl=True)
+    assert not dist.is_initialized()
+
+
+def test_gae_without_critic_fails_naming_the_estimator(monkeypatch, tiny_models):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    argv = ["--config", "configs/tiny_cpu.yaml", f"model.path={tiny_models['qwen2-tied']}",
+            "algorithm.adv_estimator=gae"]
+    with pytest.raises(ConfigError, match=r"'algorithm\.adv_estimator' = 'gae' needs a critic; set critic\.enable"):
+        parse_config(argv, rl=True)
+    assert parse_config([*argv, "critic.enable=true"], rl=True).critic.enable
+    assert parse_config(argv, rl=False).algorithm.adv_estimator == "gae"  # SFT trains no critic and needs none

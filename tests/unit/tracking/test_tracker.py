@@ -10,7 +10,8 @@ from megarl.tracking import Tracker
 
 
 def _tracker(run_dir, run_id=None):
-    return Tracker(["mlflow"], run_dir, "exp", "", {"lr": 1.0}, is_writer=True, run_id=run_id)
+    return Tracker(["mlflow"], run_dir, "exp", "", {"lr": 1.0}, is_writer=True, log_freq=1, last_step=2,
+                   run_id=run_id)
 
 
 def _client(run_dir):
