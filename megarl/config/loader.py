@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, ValidationError
 
 from megarl.config.schema import DTYPES, LAYER_SPECS, LR_DECAY_STYLES, OPTIMIZERS, RESUME_MODES, RunConfig
+from megarl.messages import one_line
 
 
 class ConfigError(ValueError):
@@ -111,7 +112,7 @@ def _read_yaml(path: str) -> dict:
     except OSError as error:
         raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
     except yaml.YAMLError as error:
-        raise ConfigError(f"config file {path} is not valid YAML: {_one_line(error)}") from None
+        raise ConfigError(f"config file {path} is not valid YAML: {one_line(error)}") from None
     if data is None:  # an empty file changes nothing
         return {}
     if not isinstance(data, dict):
@@ -129,7 +130,7 @@ def _parse_override(override: str) -> dict:
     try:
         return OmegaConf.to_container(OmegaConf.from_dotlist([override]))
     except yaml.YAMLError as error:
-        message = f"override '{override}' has a value that is not valid YAML: {_one_line(error)}"
+        message = f"override '{override}' has a value that is not valid YAML: {one_line(error)}"
         raise ConfigError(message) from None
 
 
@@ -183,7 +184,3 @@ def _check_choice(key: str, value: str, allowed: Sequence[str]) -> None:
 def _check_at_least(key: str, value: int, minimum: int) -> None:
     if value < minimum:
         raise ConfigError(f"config key '{key}' = {value} is out of range; allowed: integers >= {minimum}")
-
-
-def _one_line(error: yaml.YAMLError) -> str:
-    return " ".join(str(error).split())

@@ -18,9 +18,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Callable
 
-
-def _one_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+from megarl.messages import one_line
 
 
 def _import_file(path: str) -> ModuleType:
@@ -38,7 +36,8 @@ def _import_file(path: str) -> ModuleType:
         spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[module_name]
-        raise ValueError(f"importing custom function file {path!r} failed: {_one_line(exc)}") from exc
+        raise ValueError(f"importing custom function file {path!r} failed: "
+                         f"{type(exc).__name__}: {one_line(exc)}") from exc
     return module
 
 
@@ -46,7 +45,8 @@ def _import_module(name: str) -> ModuleType:
     try:
         return importlib.import_module(name)
     except Exception as exc:
-        raise ValueError(f"importing custom function module {name!r} failed: {_one_line(exc)}") from exc
+        raise ValueError(f"importing custom function module {name!r} failed: "
+                         f"{type(exc).__name__}: {one_line(exc)}") from exc
 
 
 def load_function(path: str, name: str) -> Callable:
