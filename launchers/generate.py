@@ -32,7 +32,7 @@ from megarl.config.schema import RolloutConfig
 from megarl.data.dataset import PromptDataset, load_rows, write_rows
 from megarl.distributed import init_layout
 from megarl.distributed.launch import init_process_group
-from megarl.doctor import require
+from megarl.doctor import MissingFeature, require
 from megarl.resharding.executor import WeightSync
 from megarl.rewards import RewardManager
 from megarl.rollout import ROLLOUT_BACKENDS, RolloutEngine, Sampling
@@ -133,7 +133,7 @@ def main(argv: list[str]) -> None:
     args = parse_args(argv)
     try:
         require(["core", "vllm"] if args.backend == "vllm" else ["core"])
-    except RuntimeError as error:  # a missing package: one line with the fix
+    except MissingFeature as error:  # a missing package: one line with the fix
         sys.exit(str(error))
     model = model_source(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model.hf_dir)

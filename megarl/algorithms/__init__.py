@@ -8,7 +8,6 @@ from megarl.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
     NEEDS_GREEDY_BASELINE,
     AdvantageInputs,
-    group_ids_from_index,
     masked_whiten,
 )
 from megarl.algorithms.aggregation import LOSS_AGGREGATIONS, aggregate, masked_mean
@@ -35,7 +34,6 @@ __all__ = [
     "PolicyLossParams",
     "aggregate",
     "clipped_value_loss",
-    "group_ids_from_index",
     "keep_informative_groups",
     "kl_penalty_rewards",
     "masked_mean",

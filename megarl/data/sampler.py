@@ -48,10 +48,6 @@ class ResumableSampler:
         self.position += len(batch)
         return batch
 
-    def __iter__(self):
-        while True:
-            yield self.next_batch()
-
     @property
     def batches_per_epoch(self) -> int:
         full, rest = divmod(self.num_items, self.batch_size)
@@ -67,10 +63,3 @@ class ResumableSampler:
         if not 0 <= state["position"] <= self.num_items:
             raise ValueError(f"sampler state position {state['position']} is outside 0..{self.num_items}")
         self.epoch, self.position, self._order = int(state["epoch"]), int(state["position"]), None
-
-
-def shard(indices: list[int], rank: int, world_size: int) -> list[int]:
-    """The strided share `indices[rank::world_size]` of one of `world_size` ranks."""
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
-    return list(indices[rank::world_size])
