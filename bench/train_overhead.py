@@ -114,7 +114,7 @@ def worker(model_dir: str, tp: int) -> None:
     loss = actor_loss(config, MAX_RESPONSE)
     seconds = {"megarl": [], "plain": []}
     for step in range(WARMUP + STEPS):
-        for name, run in (("megarl", lambda: engine.update(batch, loss, 1, seed=step)),
+        for name, run in (("megarl", lambda: engine.update(batch, loss, 1, seed=0, step=step)),
                           ("plain", lambda: plain.step(batch))):
             dist.barrier()
             start = time.perf_counter()

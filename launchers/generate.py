@@ -36,6 +36,7 @@ from megarl.doctor import MissingFeature, require
 from megarl.resharding.executor import WeightSync
 from megarl.rewards import RewardManager
 from megarl.rollout import ROLLOUT_BACKENDS, RolloutEngine, Sampling
+from megarl.seeding import derive_seed
 from megarl.trainer.rollouts import Rollouts, collect_rollouts
 
 from evaluate import scoring_function  # launchers/evaluate.py: this folder is first on sys.path
@@ -142,7 +143,8 @@ def main(argv: list[str]) -> None:
     engine = start_engine(args, model)
     stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     sampling = Sampling(n=args.num_samples, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                        max_tokens=args.max_response_length, stop_token_ids=stop, seed=args.seed)
+                        max_tokens=args.max_response_length, stop_token_ids=stop,
+                        seed=derive_seed(args.seed, "validation"))  # the trainer's validation stream
     rewards = RewardManager(scoring_function(args.reward_function))
     rollouts = collect_rollouts(prompts, engine, sampling, args.engine_tp, tokenizer, rewards)
     if dist.get_rank() == 0:

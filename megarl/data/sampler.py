@@ -1,14 +1,17 @@
-"""A seeded, resumable batch sampler over dataset indices, and the strided share of one rank.
+"""A seeded, resumable batch sampler over dataset indices.
 
 Epoch e visits the indices in `torch.randperm(num_items)` drawn from a generator seeded with
-`seed + e` (or in order without shuffling), `batch_size` at a time. The whole state is (epoch,
-position in that epoch's order), so a restored sampler yields exactly the batches the saved one
-would have: the permutation is recomputed from the seed, never stored.
+`derive_seed(seed, "prompt_order", draw=e)` (or in order without shuffling), `batch_size` at a
+time. The whole state is (epoch, position in that epoch's order), so a restored sampler yields
+exactly the batches the saved one would have: the permutation is recomputed from the seed, never
+stored.
 """
 
 from __future__ import annotations
 
 import torch
+
+from megarl.seeding import derive_seed
 
 
 class ResumableSampler:
@@ -30,7 +33,7 @@ class ResumableSampler:
     def _epoch_order(self) -> list[int]:
         if self._order is None:
             if self.shuffle:
-                generator = torch.Generator().manual_seed(self.seed + self.epoch)
+                generator = torch.Generator().manual_seed(derive_seed(self.seed, "prompt_order", draw=self.epoch))
                 self._order = torch.randperm(self.num_items, generator=generator).tolist()
             else:
                 self._order = list(range(self.num_items))

@@ -37,6 +37,7 @@ from megarl.engine.batching import budgeted_micro_batches, fixed_micro_batches, 
 from megarl.engine.memory import MemoryPhases
 from megarl.models.builder import resolve_layer_spec
 from megarl.models.hf_interop import load_hf_model
+from megarl.seeding import derive_seed
 
 
 @dataclass(frozen=True)
@@ -294,11 +295,12 @@ class MegatronEngine:
         """Whether `update` on a batch of `batch_size` sequences is one optimizer step on all of it."""
         return self.config.ppo_epochs == 1 and self.config.ppo_mini_batch_size * samples_per_prompt >= batch_size
 
-    def update(self, batch: SequenceBatch, loss_fn: LossFn, samples_per_prompt: int, seed: int,
+    def update(self, batch: SequenceBatch, loss_fn: LossFn, samples_per_prompt: int, seed: int, step: int,
                temperature: float = 1.0, keep_outputs: bool = False
                ) -> tuple[list[dict[str, float]], dict[str, torch.Tensor] | None]:
         """`ppo_epochs` passes over `batch` in shuffled mini-batches of `ppo_mini_batch_size` prompts
-        (times `samples_per_prompt` sequences): every sequence is used exactly once per epoch.
+        (times `samples_per_prompt` sequences): every sequence is used exactly once per epoch, in an
+        order drawn from the run's `seed` for this `step` and epoch (`megarl.seeding`).
         Returns the metrics of every step and, with `keep_outputs` (single-step updates only), the
         per-token outputs of the model before the step, in batch order (what `score()` would give)."""
         if keep_outputs and not self.is_single_step(len(batch), samples_per_prompt):
@@ -306,7 +308,8 @@ class MegatronEngine:
         mini_batch = self.config.ppo_mini_batch_size * samples_per_prompt
         history, outputs = [], None
         for epoch in range(self.config.ppo_epochs):
-            order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+            generator = torch.Generator().manual_seed(derive_seed(seed, "mini_batch_order", step=step, draw=epoch))
+            order = torch.randperm(len(batch), generator=generator)
             for start in range(0, len(batch), mini_batch):
                 indices = order[start : start + mini_batch]
                 metrics, kept = self.train_mini_batch(batch.select(indices), loss_fn, temperature, keep_outputs)
