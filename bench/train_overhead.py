@@ -57,7 +57,7 @@ class PlainMegatronLoop:
         from megatron.core import tensor_parallel
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from megarl.distributed.launch import device
+        from megarl import device
 
         num_tokens = int(batch.response_lengths_B.sum())
         micro_batches = [batch.select(list(range(i, min(i + MICRO_BATCH, len(batch)))))
@@ -66,7 +66,7 @@ class PlainMegatronLoop:
         def forward_step(data_iterator, model):
             micro_batch = next(data_iterator)
             width = int(micro_batch.sequence_lengths_B.max())
-            tokens = micro_batch.tokens_BT[:, :width].to(device())
+            tokens = micro_batch.tokens_BT[:, :width].to(device.compute_device())
             positions = torch.arange(width, device=tokens.device).expand_as(tokens)
             labels = torch.roll(tokens, -1, dims=1)
             logits = model(tokens, positions, None)
@@ -114,7 +114,7 @@ def worker(model_dir: str, tp: int) -> None:
     loss = actor_loss(config, MAX_RESPONSE)
     seconds = {"megarl": [], "plain": []}
     for step in range(WARMUP + STEPS):
-        for name, run in (("megarl", lambda: engine.update(batch, loss, 1, seed=step)),
+        for name, run in (("megarl", lambda: engine.update(batch, loss, 1, seed=0, step=step)),
                           ("plain", lambda: plain.step(batch))):
             dist.barrier()
             start = time.perf_counter()

@@ -23,13 +23,12 @@ the caller promises not to read the logits afterwards. Columns past the real voc
 probability zero and gradient zero. `reference_logprobs_and_entropy` is the plain full-vocabulary
 version the kernel is tested against.
 
-On CUDA, when `triton` is installed, the two per-row loops (local statistics, gradient) run as the
-Triton kernels of `triton_logprobs`; the chunked PyTorch loops here are the CPU path.
+With `use_triton` (CUDA tensors; the caller decides, megarl asks `megarl.device.triton()`), the two
+per-row loops (local statistics, gradient) run as the Triton kernels of `triton_logprobs`; the
+chunked PyTorch loops here are the CPU path.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.distributed as dist
@@ -42,19 +41,6 @@ def _valid_columns(vocab_start: int, local_vocab: int, vocab_size: int) -> int:
 def _all_reduce(tensor: torch.Tensor, op, group) -> None:
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, op=op, group=group)
-
-
-@functools.lru_cache(maxsize=None)
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _use_triton(logits_NV: torch.Tensor) -> bool:
-    return logits_NV.is_cuda and _triton_available()
 
 
 def _local_row_stats(logits_NV, local_targets_N, valid, temperature, chunk_size):
@@ -102,11 +88,12 @@ def _row_gradients_(grad_out_NV, logits_NV, local_targets_N, lse_N, mean_z_N, gr
 
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits_NV, targets_N, group, vocab_start, vocab_size, temperature, chunk_size, inplace_backward):
+    def forward(ctx, logits_NV, targets_N, group, vocab_start, vocab_size, temperature, chunk_size, inplace_backward,
+                use_triton):
         local_vocab = logits_NV.shape[1]
         valid = _valid_columns(vocab_start, local_vocab, vocab_size)
         local_targets_N = targets_N - vocab_start
-        if _use_triton(logits_NV):
+        if use_triton:
             from kernels.triton_logprobs import local_row_stats
 
             local_max, sum_exp, sum_pz, target_z = local_row_stats(logits_NV, local_targets_N, valid, temperature)
@@ -123,25 +110,25 @@ class _ChunkedLogProbs(torch.autograd.Function):
         lse_N = global_max + torch.log(total_exp)
         mean_z_N = total_pz / total_exp
         ctx.save_for_backward(logits_NV, targets_N, lse_N, mean_z_N)
-        ctx.config = (vocab_start, vocab_size, temperature, chunk_size, inplace_backward)
+        ctx.config = (vocab_start, vocab_size, temperature, chunk_size, inplace_backward, use_triton)
         return target_z - lse_N, lse_N - mean_z_N
 
     @staticmethod
     def backward(ctx, grad_logprob_N, grad_entropy_N):
         logits_NV, targets_N, lse_N, mean_z_N = ctx.saved_tensors
-        vocab_start, vocab_size, temperature, chunk_size, inplace_backward = ctx.config
+        vocab_start, vocab_size, temperature, chunk_size, inplace_backward, use_triton = ctx.config
         local_vocab = logits_NV.shape[1]
         valid = _valid_columns(vocab_start, local_vocab, vocab_size)
         grad_logits_NV = logits_NV if inplace_backward else torch.empty_like(logits_NV)
         gradient_args = (grad_logits_NV, logits_NV, targets_N - vocab_start, lse_N, mean_z_N,
                          grad_logprob_N, grad_entropy_N, valid, temperature)
-        if _use_triton(logits_NV):
+        if use_triton:
             from kernels.triton_logprobs import row_gradients_
 
             row_gradients_(*gradient_args)
         else:
             _row_gradients_(*gradient_args, chunk_size)
-        return grad_logits_NV, None, None, None, None, None, None, None
+        return grad_logits_NV, None, None, None, None, None, None, None, None
 
 
 def logprobs_and_entropy(
@@ -153,15 +140,18 @@ def logprobs_and_entropy(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     inplace_backward: bool = False,
+    use_triton: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprob_N, entropy_N) in fp32 from this rank's vocab slice `logits_NV`.
 
     `vocab_start` is the global index of the slice's first column, `vocab_size` the real (unpadded)
     vocabulary size, `group` the TP group sharing the vocabulary (None: the whole vocab is local).
+    `use_triton` runs the Triton kernels (CUDA tensors and an importable `triton` required).
     """
+    assert not use_triton or logits_NV.is_cuda, "the Triton kernels need CUDA tensors"
     vocab_size = vocab_start + logits_NV.shape[-1] if vocab_size is None else vocab_size
     return _ChunkedLogProbs.apply(
-        logits_NV, targets_N, group, vocab_start, vocab_size, temperature, chunk_size, inplace_backward
+        logits_NV, targets_N, group, vocab_start, vocab_size, temperature, chunk_size, inplace_backward, use_triton
     )
 
 

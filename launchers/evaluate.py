@@ -20,7 +20,7 @@ from collections import Counter
 from megarl.data.dataset import Prompt, read_records
 from megarl.rewards import RewardManager, ScoringItem, compute_score, load_function
 from megarl.trainer.rollouts import Rollouts
-from megarl.trainer.validation import validation_metrics
+from megarl.trainer.validation import pass_at_k, validation_metrics
 
 REQUIRED = ("data_source", "response", "ground_truth", "index")
 
@@ -66,11 +66,9 @@ def evaluate(rollouts: Rollouts, k: int) -> dict[str, dict[str, float]]:
         subset = Rollouts(prompts=[rollouts.prompts[i] for i in indices],
                           group_ids=[rollouts.group_ids[i] for i in indices],
                           scores=[rollouts.scores[i] for i in indices])
-        solved = {group: False for group in subset.group_ids}
-        for group, score in zip(subset.group_ids, subset.scores):  # validation_metrics' pass@k, also for k = 1
-            solved[group] |= score >= 1.0
-        table[name] = {"prompts": len(solved), f"mean@{k}": validation_metrics(subset, k)["val/score/mean"],
-                       f"pass@{k}": sum(solved.values()) / len(solved)}
+        table[name] = {"prompts": len(set(subset.group_ids)),
+                       f"mean@{k}": validation_metrics(subset, k)["val/score/mean"],
+                       f"pass@{k}": pass_at_k(subset.group_ids, subset.scores)}  # also for k = 1
     return table
 
 

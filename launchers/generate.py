@@ -32,10 +32,11 @@ from megarl.config.schema import RolloutConfig
 from megarl.data.dataset import PromptDataset, load_rows, write_rows
 from megarl.distributed import init_layout
 from megarl.distributed.launch import init_process_group
-from megarl.doctor import require
+from megarl.doctor import MissingFeature, require
 from megarl.resharding.executor import WeightSync
 from megarl.rewards import RewardManager
 from megarl.rollout import ROLLOUT_BACKENDS, RolloutEngine, Sampling
+from megarl.seeding import derive_seed
 from megarl.trainer.rollouts import Rollouts, collect_rollouts
 from megarl.trainer.startup import exit_on_user_error
 
@@ -134,7 +135,7 @@ def main(argv: list[str]) -> None:
     args = parse_args(argv)
     try:
         require(["core", "vllm"] if args.backend == "vllm" else ["core"])
-    except RuntimeError as error:  # a missing package: one line with the fix
+    except MissingFeature as error:  # a missing package: one line with the fix
         sys.exit(str(error))
     model = model_source(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model.hf_dir)
@@ -143,7 +144,8 @@ def main(argv: list[str]) -> None:
     engine = start_engine(args, model)
     stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     sampling = Sampling(n=args.num_samples, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                        max_tokens=args.max_response_length, stop_token_ids=stop, seed=args.seed)
+                        max_tokens=args.max_response_length, stop_token_ids=stop,
+                        seed=derive_seed(args.seed, "validation"))  # the trainer's validation stream
     rewards = RewardManager(scoring_function(args.reward_function))
     rollouts = collect_rollouts(prompts, engine, sampling, args.engine_tp, tokenizer, rewards)
     if dist.get_rank() == 0:

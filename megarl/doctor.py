@@ -5,6 +5,8 @@
 
 Checks are cheap: package metadata and `importlib.util.find_spec`, which locate a package without
 importing it (importing vLLM alone takes seconds). torch is imported: its build and devices need it.
+Whether a GPU-only feature is on is `megarl.device`'s answer, the one the run itself will get
+(it imports Transformer Engine's PyTorch extension to check it, only where CUDA is present).
 `require` is what `make test` and the launchers call to fail early with one line and the fix.
 """
 
@@ -17,7 +19,11 @@ import platform
 import shutil
 import sys
 from dataclasses import dataclass
-from pathlib import Path
+
+try:
+    from megarl import device
+except ImportError:  # torch is missing: the report says so, with the command that installs it
+    device = None
 
 MAKE_INSTALL = "make install"
 GPU_INSTALL = 'pip install -e ".[gpu]"'
@@ -67,19 +73,13 @@ def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def _nvidia_apex() -> bool:
-    """NVIDIA Apex, not the unrelated PyPI project called apex: it has an `apex/normalization` package."""
-    spec = importlib.util.find_spec("apex")
-    return spec is not None and any((Path(p) / "normalization").is_dir() for p in spec.submodule_search_locations or ())
-
-
 def _torch() -> tuple[Component, bool]:
     """The torch component and whether CUDA is usable."""
-    try:
-        import torch
-    except ImportError:
+    if device is None:
         return Component("torch", None, fix=MAKE_INSTALL), False
-    cuda = torch.cuda.is_available()
+    import torch
+
+    cuda = device.cuda()
     build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU build"
     devices = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) if cuda else "none"
     fix = CUDA_TORCH if not torch.version.cuda and shutil.which("nvidia-smi") else ""
@@ -104,17 +104,20 @@ def _vllm(cuda: bool) -> tuple[Component, Feature, Feature]:
         fix = "" if cuda else f"pip uninstall -y vllm && {MAKE_INSTALL}  (vLLM's CPU build)"
         rollout = Feature("vllm", "colocated vLLM rollout", cuda, "CUDA build" if cuda else "CUDA build without CUDA",
                           fix)
-    sleeps = cuda and installed and not cpu_build
+    sleeps = cuda and device.sleep_mode() and installed and not cpu_build
     reason = "on GPU" if sleeps else ("CUDA absent" if not cuda else "needs vLLM's CUDA build")
     sleep = Feature("sleep_mode", "vLLM sleep mode (frees memory while training)", sleeps, reason,
                     "" if sleeps else (NEEDS_GPU if not cuda else GPU_INSTALL))
     return component, rollout, sleep
 
 
-def _gpu_feature(key: str, description: str, installed: bool, cuda: bool, package: str, fix: str) -> Feature:
-    """A feature that needs CUDA and one package."""
-    if installed and cuda:
+def _gpu_feature(key: str, description: str, enabled: bool, installed: bool, cuda: bool, package: str,
+                 fix: str) -> Feature:
+    """A feature that needs CUDA and one package; `enabled` is `megarl.device`'s answer."""
+    if enabled:
         return Feature(key, description, True, "CUDA and " + package)
+    if cuda and installed:
+        return Feature(key, description, False, f"{package} is installed but does not import", fix)
     if cuda:
         return Feature(key, description, False, f"{package} not installed", fix)
     return Feature(key, description, False, "CUDA absent", f"{fix}  ({ON_A_GPU})" if not installed else NEEDS_GPU)
@@ -124,7 +127,7 @@ def inspect_environment() -> Environment:
     torch_component, cuda = _torch()
     vllm_component, rollout, sleep = _vllm(cuda)
     te = _version("transformer-engine") if _importable("transformer_engine") else None
-    apex = (_version("apex") or "source build") if _nvidia_apex() else None
+    apex = (_version("apex") or "source build") if device is not None and device.nvidia_apex_importable() else None
     triton = _version("triton") if _importable("triton") else None
     components = [
         Component("python", platform.python_version()),
@@ -149,13 +152,15 @@ def inspect_environment() -> Environment:
                 not missing_core, "missing " + ", ".join(missing_core) if missing_core else "installed",
                 MAKE_INSTALL if missing_core else ""),
         cuda_feature,
-        _gpu_feature("transformer_engine", "Transformer Engine layers and packed sequences", te is not None, cuda,
-                     "transformer-engine", GPU_INSTALL),
-        _gpu_feature("triton", "Triton log-prob kernel", triton is not None, cuda, "triton", TRITON_INSTALL),
-        _gpu_feature("apex", "Apex fused kernels in megatron-core", apex is not None, cuda, "NVIDIA Apex", APEX_BUILD),
+        _gpu_feature("transformer_engine", "Transformer Engine layers and packed sequences",
+                     cuda and device.transformer_engine(), te is not None, cuda, "transformer-engine", GPU_INSTALL),
+        _gpu_feature("triton", "Triton log-prob kernel", cuda and device.triton(), triton is not None, cuda, "triton",
+                     TRITON_INSTALL),
+        _gpu_feature("apex", "Apex fused kernels in megatron-core", cuda and device.apex(), apex is not None, cuda,
+                     "NVIDIA Apex", APEX_BUILD),
         rollout,
         sleep,
-        Feature("offload", "Megatron state offload during rollout (actor.offload)", cuda,
+        Feature("offload", "Megatron state offload during rollout (actor.offload)", cuda and device.offload(),
                 "on GPU" if cuda else "CUDA absent: the phases only report what they would move",
                 "" if cuda else f"run {ON_A_GPU}"),
         Feature("mlflow", "mlflow tracking", mlflow is not None,

@@ -7,7 +7,6 @@ float 0/1 `mask_BR`. Nothing here knows about process groups or configs.
 from megarl.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageInputs,
-    group_ids_from_index,
     masked_whiten,
     register_estimator,
 )
@@ -34,7 +33,6 @@ __all__ = [
     "PolicyLossParams",
     "aggregate",
     "clipped_value_loss",
-    "group_ids_from_index",
     "keep_informative_groups",
     "kl_penalty_rewards",
     "masked_mean",

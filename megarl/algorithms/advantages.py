@@ -44,7 +44,7 @@ class AdvantageInputs:
     mask_BR: Tensor
     """1.0 at valid response tokens, 0.0 at right padding."""
     group_ids_B: Tensor
-    """Long; responses to the same prompt share an id (see `group_ids_from_index`)."""
+    """Long; responses to the same prompt share an id."""
     values_BR: Tensor | None = None
     """Critic values at the response tokens (gae only)."""
     baseline_rewards_B: Tensor | None = None
@@ -80,12 +80,6 @@ def register_estimator(name: str, *, needs_groups: bool = False, needs_greedy_ba
         return ADVANTAGE_ESTIMATORS.register(name)(estimator)
 
     return add
-
-
-def group_ids_from_index(uids: list) -> Tensor:
-    """Long tensor numbering the distinct uids by first appearance: ['a', 'b', 'a'] -> [0, 1, 0]."""
-    numbers: dict = {}
-    return torch.tensor([numbers.setdefault(uid, len(numbers)) for uid in uids], dtype=torch.long)
 
 
 def masked_whiten(values_BR: Tensor, mask_BR: Tensor) -> Tensor:

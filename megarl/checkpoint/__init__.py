@@ -1,9 +1,9 @@
-"""Sharded checkpoints that never lose work: atomic publication, exact resume, retention."""
+"""Sharded checkpoints that never lose work: atomic publication, exact resume, retention.
 
-from megarl.checkpoint import safe_metadata
+Checkpoint metadata is read through a restricted unpickler, installed when the process joins its
+world (`megarl.distributed.process`)."""
+
 from megarl.checkpoint.checkpointer import Checkpointer
 from megarl.checkpoint.directory import CheckpointError
-
-safe_metadata.install()
 
 __all__ = ["CheckpointError", "Checkpointer"]

@@ -27,6 +27,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
+from megarl import device
 from megarl.checkpoint.directory import (
     CheckpointError,
     complete_checkpoints,
@@ -67,7 +68,7 @@ def rng_state() -> dict:
         "python": (python[0], list(python[1]), python[2]),
         "numpy": (numpy[0], torch.from_numpy(numpy[1].astype(np.int64)), numpy[2], numpy[3], numpy[4]),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": torch.cuda.get_rng_state_all() if device.cuda() else [],
         "tracker": get_cuda_rng_tracker().get_states(),
     }
 

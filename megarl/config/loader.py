@@ -28,6 +28,7 @@ from megarl.config.schema import (
     EngineConfig,
     RunConfig,
 )
+from megarl.messages import one_line
 
 
 class ConfigError(ValueError):
@@ -157,7 +158,7 @@ def _read_yaml(path: str) -> dict:
     except OSError as error:
         raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
     except yaml.YAMLError as error:
-        raise ConfigError(f"config file {path} is not valid YAML: {_one_line(error)}") from None
+        raise ConfigError(f"config file {path} is not valid YAML: {one_line(error)}") from None
     if data is None:  # an empty file changes nothing
         return {}
     if not isinstance(data, dict):
@@ -175,7 +176,7 @@ def _parse_override(override: str) -> dict:
     try:
         return OmegaConf.to_container(OmegaConf.from_dotlist([override]))
     except yaml.YAMLError as error:
-        message = f"override '{override}' has a value that is not valid YAML: {_one_line(error)}"
+        message = f"override '{override}' has a value that is not valid YAML: {one_line(error)}"
         raise ConfigError(message) from None
 
 
@@ -248,6 +249,3 @@ def _check_supported(key: str, value: int, reason: str) -> None:
 def _divisors(number: int) -> str:
     return ", ".join(str(d) for d in range(1, number + 1) if number % d == 0)
 
-
-def _one_line(error: yaml.YAMLError) -> str:
-    return " ".join(str(error).split())

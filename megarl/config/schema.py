@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
+from megarl.models.layer_specs import LAYER_SPECS  # the builder's choices, validated here
+
 DTYPES = ("float32", "bfloat16", "float16")
-LAYER_SPECS = ("auto", "local", "transformer_engine")
 OPTIMIZERS = ("adam", "sgd")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 KL_CONTROLLERS = ("fixed", "adaptive")

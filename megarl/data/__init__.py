@@ -4,7 +4,7 @@ Synthetic tasks live in `megarl.data.synthetic` (not imported here, so `python -
 """
 
 from megarl.data.dataset import Prompt, PromptDataset, load_rows, read_records, write_rows
-from megarl.data.sampler import ResumableSampler, shard
+from megarl.data.sampler import ResumableSampler
 
 __all__ = [
     "Prompt",
@@ -12,6 +12,5 @@ __all__ = [
     "ResumableSampler",
     "load_rows",
     "read_records",
-    "shard",
     "write_rows",
 ]

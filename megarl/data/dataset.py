@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from megarl.data.tokenization import prompt_ids
+from megarl.messages import one_line
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +31,8 @@ PROMPT_EXPECTED = "a non-empty list of {role: str, content: str} dicts or a str"
 PROMPT_TEXT_EXPECTED = "some text (a non-empty str, or a message with non-empty content)"
 
 
-def _one_line(text: Any) -> str:
-    return " ".join(str(text).split())
-
-
 def _describe(value: Any) -> str:
-    text = _one_line(repr(value))
+    text = one_line(repr(value))
     return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
 
 
@@ -76,7 +73,7 @@ def _read_table(file: str) -> pa.Table:
     try:
         return pq.read_table(file)
     except Exception as exc:  # ArrowInvalid, OSError...: whatever pyarrow says, it is not a parquet file
-        raise ValueError(f"{file}: cannot read as parquet ({type(exc).__name__}: {_one_line(exc)})") from exc
+        raise ValueError(f"{file}: cannot read as parquet ({type(exc).__name__}: {one_line(exc)})") from exc
 
 
 def load_rows(files: list[str]) -> list[dict]:
@@ -108,7 +105,7 @@ def write_rows(rows: list[dict], path: str | Path) -> Path:
     try:
         table = pa.Table.from_pylist(rows)
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-        raise ValueError(f"{path}: rows do not share one schema ({_one_line(exc)})") from exc
+        raise ValueError(f"{path}: rows do not share one schema ({one_line(exc)})") from exc
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, path)

@@ -1,14 +1,17 @@
-"""A seeded, resumable batch sampler over dataset indices, and the strided share of one rank.
+"""A seeded, resumable batch sampler over dataset indices.
 
 Epoch e visits the indices in `torch.randperm(num_items)` drawn from a generator seeded with
-`seed + e` (or in order without shuffling), `batch_size` at a time. The whole state is (epoch,
-position in that epoch's order), so a restored sampler yields exactly the batches the saved one
-would have: the permutation is recomputed from the seed, never stored.
+`derive_seed(seed, "prompt_order", draw=e)` (or in order without shuffling), `batch_size` at a
+time. The whole state is (epoch, position in that epoch's order), so a restored sampler yields
+exactly the batches the saved one would have: the permutation is recomputed from the seed, never
+stored.
 """
 
 from __future__ import annotations
 
 import torch
+
+from megarl.seeding import derive_seed
 
 
 class ResumableSampler:
@@ -30,7 +33,7 @@ class ResumableSampler:
     def _epoch_order(self) -> list[int]:
         if self._order is None:
             if self.shuffle:
-                generator = torch.Generator().manual_seed(self.seed + self.epoch)
+                generator = torch.Generator().manual_seed(derive_seed(self.seed, "prompt_order", draw=self.epoch))
                 self._order = torch.randperm(self.num_items, generator=generator).tolist()
             else:
                 self._order = list(range(self.num_items))
@@ -48,10 +51,6 @@ class ResumableSampler:
         self.position += len(batch)
         return batch
 
-    def __iter__(self):
-        while True:
-            yield self.next_batch()
-
     @property
     def batches_per_epoch(self) -> int:
         full, rest = divmod(self.num_items, self.batch_size)
@@ -67,10 +66,3 @@ class ResumableSampler:
         if not 0 <= state["position"] <= self.num_items:
             raise ValueError(f"sampler state position {state['position']} is outside 0..{self.num_items}")
         self.epoch, self.position, self._order = int(state["epoch"]), int(state["position"]), None
-
-
-def shard(indices: list[int], rank: int, world_size: int) -> list[int]:
-    """The strided share `indices[rank::world_size]` of one of `world_size` ranks."""
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
-    return list(indices[rank::world_size])

@@ -1,4 +1,5 @@
-"""Process groups, the parallel layout and the CPU compatibility layer for megatron-core."""
+"""Process groups, the parallel layout, and the process-wide start-up settings (`process.py`: the CPU
+compatibility layer for megatron-core, vLLM's environment, the safe checkpoint-metadata unpickler)."""
 
 from megarl.distributed.layout import ParallelLayout, init_layout
 

@@ -1,8 +1,8 @@
 """Bridges megatron-core's CUDA assumptions so that it runs on CPU over gloo.
 
-Applied only when CUDA is absent (`apply_cpu_compat` is a no-op otherwise). megatron-core 0.16
-assumes a GPU in seven places; each is bridged by one named `Bridge` below, so a test can leave
-one out and watch the megatron code path it guards fail:
+Applied only when `megarl.device` says CUDA is absent (`apply_cpu_compat` is a no-op otherwise).
+megatron-core 0.16 assumes a GPU in seven places; each is bridged by one named `Bridge` below, so
+a test can leave one out and watch the megatron code path it guards fail:
 
 1. `current_device`: `torch.cuda.current_device()` used as the device of buffers (the global
    memory buffer of local attention, DDP buffers, pipeline p2p shape tensors).
@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
+
+from megarl import device
 
 # Entry points whose imports pull in every megatron module that assumes CUDA; after importing
 # them, each loaded `megatron.core` module gets the view as its `torch` global.
@@ -197,7 +199,7 @@ def apply_cpu_compat(skip: Iterable[str] = ()) -> None:
     Does nothing when CUDA is available or when already applied in this process (the first call
     decides the set of bridges). Call before building models.
     """
-    if torch.cuda.is_available():
+    if device.cuda():
         return
     skip = set(skip)
     unknown = skip - {bridge.name for bridge in BRIDGES}

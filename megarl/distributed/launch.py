@@ -1,8 +1,10 @@
 """Joining the torchrun world: one process per device (GPU) or per CPU worker.
 
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT. Without them (a plain
-`python script.py`) we run as a world of one. NCCL is used when CUDA is present, gloo otherwise;
-on CPU the megatron-core compatibility layer is applied before any megatron model is built.
+`python script.py`) we run as a world of one. `megarl.device` picks the backend (NCCL with CUDA,
+gloo without); the process-wide settings (`megarl.distributed.process`: the CPU compatibility
+layer, vLLM's environment, the safe checkpoint unpickler) are applied here, before any megatron
+model, engine or checkpoint exists.
 """
 
 from __future__ import annotations
@@ -10,10 +12,10 @@ from __future__ import annotations
 import datetime
 import os
 
-import torch
 import torch.distributed as dist
 
-from megarl.distributed.cpu_compat import apply_cpu_compat
+from megarl import device
+from megarl.distributed.process import configure_process
 
 
 def init_process_group() -> None:
@@ -28,19 +30,10 @@ def init_process_group() -> None:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        backend = "nccl"
-    else:
-        apply_cpu_compat()
-        backend = "gloo"
+    configure_process()
+    device.select_local_device()
     timeout = datetime.timedelta(minutes=float(os.environ.get("MEGARL_COLLECTIVE_TIMEOUT_MINUTES", "30")))
-    dist.init_process_group(backend=backend, timeout=timeout)
-
-
-def device() -> torch.device:
-    """The device this rank computes on."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dist.init_process_group(backend=device.backend(), timeout=timeout)
 
 
 def _free_port() -> int:

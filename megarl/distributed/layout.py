@@ -32,10 +32,6 @@ class ParallelLayout:
     dp_group: dist.ProcessGroup
 
     @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.dp * self.cp
-
-    @property
     def holds_unique_stage_copy(self) -> bool:
         """True on the one rank per pipeline stage that speaks for its (merged) TP shards."""
         return self.tp_rank == 0 and self.dp_rank == 0 and self.cp_rank == 0

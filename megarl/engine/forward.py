@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megarl.distributed.launch import device
+from megarl import device
 from megarl.distributed.layout import ParallelLayout
 
 
@@ -21,7 +21,7 @@ def forward_outputs(
 ) -> torch.Tensor | None:
     """The model's outputs (B, T, V/TP) logits or (B, T, 1) values on the last stage, else None."""
     batch_size, seq_len = tokens_BT.shape
-    tokens_BT = tokens_BT.to(device())
+    tokens_BT = tokens_BT.to(device.compute_device())
     positions_BT = torch.arange(seq_len, device=tokens_BT.device).expand(batch_size, seq_len)
     micro_batches = iter(zip(tokens_BT.split(micro_batch_size), positions_BT.split(micro_batch_size)))
 

@@ -30,13 +30,14 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from kernels.vocab_parallel_logprobs import logprobs_and_entropy
 from megarl.config.schema import EngineConfig, ModelConfig
-from megarl.distributed.launch import device
+from megarl import device
 from megarl.distributed.layout import ParallelLayout
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.batching import budgeted_micro_batches, fixed_micro_batches, split_over_data_parallel, token_imbalance
 from megarl.engine.memory import MemoryPhases
-from megarl.models.builder import resolve_layer_spec
+from megarl.models.builder import ScheduleSettings, resolve_layer_spec
 from megarl.models.hf_interop import load_hf_model
+from megarl.seeding import derive_seed
 
 
 @dataclass(frozen=True)
@@ -65,19 +66,22 @@ class MegatronEngine:
         """Load `model_path` (default `model_config.path`); trainable when `total_optimizer_steps` is set;
         `value_head` turns a causal LM checkpoint into a value model (a critic's usual start)."""
         self.layout, self.config = layout, config
+        trainable = total_optimizer_steps is not None
+        schedule = ScheduleSettings(
+            variable_seq_lengths=True,  # micro-batches are padded to their own length
+            calculate_per_token_loss=True,  # losses arrive globally normalised
+            finalize_model_grads_func=_finalize_without_token_scaling,
+            grad_scale_func=self._scale_loss if trainable else None,
+        )
         self.module, self.arch = load_hf_model(
             model_path or model_config.path, layout, model_config.dtype, model_config.layer_spec,
             model_config.make_vocab_size_divisible_by, recompute_activations=config.recompute_activations,
-            value_head=value_head,
+            value_head=value_head, schedule=schedule,
         )
-        model_settings = self.module.config
-        model_settings.variable_seq_lengths = True  # micro-batches are padded to their own length
-        model_settings.calculate_per_token_loss = True  # losses arrive globally normalised
-        model_settings.finalize_model_grads_func = _finalize_without_token_scaling
         self.model = self.module
         self.packed = resolve_layer_spec(model_config.layer_spec) == "transformer_engine"
         self.optimizer = self.scheduler = None
-        if total_optimizer_steps is not None:
+        if trainable:
             self._make_trainable(model_config, total_optimizer_steps)
         self.memory = MemoryPhases(self.model, self.optimizer)
 
@@ -97,7 +101,6 @@ class MegatronEngine:
             ),
             [self.model],
         )
-        self.module.config.grad_scale_func = self.optimizer.scale_loss  # fp16 loss scaling (identity else)
         if optim.lr_warmup_steps >= max(total_optimizer_steps, 1) and optim.lr_decay_style != "constant":
             raise ValueError(
                 f"actor.optim.lr_warmup_steps={optim.lr_warmup_steps} must be below the run's "
@@ -110,6 +113,10 @@ class MegatronEngine:
             lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
             wd_incr_steps=max(total_optimizer_steps, 1), wd_incr_style="constant",
         )
+
+    def _scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The optimizer's loss scaling (fp16; identity otherwise), called by the schedule before backward."""
+        return self.optimizer.scale_loss(loss)
 
     # ---- planning -------------------------------------------------------------------------------
 
@@ -147,16 +154,16 @@ class MegatronEngine:
         """(tokens, positions, packed_seq_params): right-padded (b, T), or one packed (1, sum of lengths)
         row whose positions restart at every sequence."""
         if not self.packed:
-            tokens_bT = micro_batch.tokens_BT.to(device())
+            tokens_bT = micro_batch.tokens_BT.to(device.compute_device())
             positions_bT = torch.arange(tokens_bT.shape[1], device=tokens_bT.device).expand_as(tokens_bT)
             return tokens_bT, positions_bT, None
         lengths = micro_batch.sequence_lengths_B.tolist()
         tokens = torch.cat([row[:n] for row, n in zip(micro_batch.tokens_BT, lengths)])
         positions = torch.cat([torch.arange(n) for n in lengths])
-        cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device())
+        cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device.compute_device())
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                                  max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
-        return tokens[None].to(device()), positions[None].to(device()), params
+        return tokens[None].to(device.compute_device()), positions[None].to(device.compute_device()), params
 
     def _response_rows(self, micro_batch: SequenceBatch) -> torch.Tensor:
         """Rows of the flattened model output that predict each response token, (b * R,)."""
@@ -165,7 +172,7 @@ class MegatronEngine:
             starts = torch.cat([torch.zeros(1, dtype=torch.long), micro_batch.sequence_lengths_B.cumsum(0)[:-1]])
         else:
             starts = micro_batch.tokens_BT.shape[1] * torch.arange(len(micro_batch))
-        return (positions_bR + starts[:, None]).flatten().to(device())
+        return (positions_bR + starts[:, None]).flatten().to(device.compute_device())
 
     # ---- outputs of the model for response tokens -------------------------------------------------
 
@@ -187,6 +194,7 @@ class MegatronEngine:
             temperature=temperature,
             chunk_size=self.config.logprob_chunk_size,
             inplace_backward=True,  # the gathered response rows belong to the kernel alone
+            use_triton=device.triton(),
         )
         return {"logprobs": logprobs.view(b, -1) * mask_bR, "entropy": entropy.view(b, -1) * mask_bR}
 
@@ -212,7 +220,7 @@ class MegatronEngine:
         names = ("values",) if self.arch.value_model else ("logprobs", "entropy")
         width = batch.max_response_length
         mine = ranks[self.layout.dp_rank]
-        local = {name: torch.zeros(len(mine), width, device=device()) for name in names}
+        local = {name: torch.zeros(len(mine), width, device=device.compute_device()) for name in names}
         if self.layout.is_last_stage:
             row_of = {index: row for row, index in enumerate(mine)}
             for indices, outputs in zip(micro, per_micro_batch):
@@ -294,11 +302,12 @@ class MegatronEngine:
         """Whether `update` on a batch of `batch_size` sequences is one optimizer step on all of it."""
         return self.config.ppo_epochs == 1 and self.config.ppo_mini_batch_size * samples_per_prompt >= batch_size
 
-    def update(self, batch: SequenceBatch, loss_fn: LossFn, samples_per_prompt: int, seed: int,
+    def update(self, batch: SequenceBatch, loss_fn: LossFn, samples_per_prompt: int, seed: int, step: int,
                temperature: float = 1.0, keep_outputs: bool = False
                ) -> tuple[list[dict[str, float]], dict[str, torch.Tensor] | None]:
         """`ppo_epochs` passes over `batch` in shuffled mini-batches of `ppo_mini_batch_size` prompts
-        (times `samples_per_prompt` sequences): every sequence is used exactly once per epoch.
+        (times `samples_per_prompt` sequences): every sequence is used exactly once per epoch, in an
+        order drawn from the run's `seed` for this `step` and epoch (`megarl.seeding`).
         Returns the metrics of every step and, with `keep_outputs` (single-step updates only), the
         per-token outputs of the model before the step, in batch order (what `score()` would give)."""
         if keep_outputs and not self.is_single_step(len(batch), samples_per_prompt):
@@ -306,7 +315,8 @@ class MegatronEngine:
         mini_batch = self.config.ppo_mini_batch_size * samples_per_prompt
         history, outputs = [], None
         for epoch in range(self.config.ppo_epochs):
-            order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+            generator = torch.Generator().manual_seed(derive_seed(seed, "mini_batch_order", step=step, draw=epoch))
+            order = torch.randperm(len(batch), generator=generator)
             for start in range(0, len(batch), mini_batch):
                 indices = order[start : start + mini_batch]
                 metrics, kept = self.train_mini_batch(batch.select(indices), loss_fn, temperature, keep_outputs)

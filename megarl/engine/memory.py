@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from megarl import device
+
 
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
@@ -34,7 +36,7 @@ class MemoryPhases:
     def offload(self) -> dict[str, int]:
         """Move to host (GPU); returns the bytes moved (or that would move, on CPU)."""
         moved = self.resident_bytes()
-        if torch.cuda.is_available() and not self.offloaded:
+        if device.offload() and not self.offloaded:
             for buffer in getattr(self.model, "buffers", []) + getattr(self.model, "expert_parallel_buffers", []):
                 buffer.offload_to_cpu(move_params=True, move_grads=True)
             if self.optimizer is not None:
@@ -45,7 +47,7 @@ class MemoryPhases:
 
     def reload(self) -> dict[str, int]:
         """Bring everything back to the device before training; returns the bytes moved."""
-        if torch.cuda.is_available() and self.offloaded:
+        if device.offload() and self.offloaded:
             for buffer in getattr(self.model, "buffers", []) + getattr(self.model, "expert_parallel_buffers", []):
                 buffer.reload_from_cpu(move_params=True, move_grads=True)
             if self.optimizer is not None:

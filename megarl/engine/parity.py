@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
+from megarl import device
 from megarl.data.tokenization import prompt_ids
-from megarl.distributed.launch import device
 from megarl.distributed.layout import ParallelLayout
 from megarl.engine.forward import forward_outputs, gather_vocab
 from megarl.models.architecture import Architecture
@@ -40,7 +40,7 @@ def max_difference(model: torch.nn.Module, arch: Architecture, layout: ParallelL
     tokens_BT, mask_BT = tokenize(hf_dir)
     model.eval()
     outputs = forward_outputs(model, layout, tokens_BT, micro_batch_size=2)
-    difference = torch.zeros(1, device=device())
+    difference = torch.zeros(1, device=device.compute_device())
     if layout.is_last_stage:
         if not arch.value_model:
             outputs = gather_vocab(outputs, layout)[..., : arch.vocab_size]

@@ -1,10 +1,13 @@
 """Building megatron-core GPT models (actor, reference, critic, reward) for an `Architecture`.
 
 The layer spec decides *which* modules implement the layer: megatron-core's local modules on CPU,
-Transformer Engine's fused ones when TE is importable and CUDA is present (`layer_spec="auto"`).
+Transformer Engine's fused ones where `megarl.device` says TE is usable (`layer_spec="auto"`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -15,37 +18,43 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.transformer import TransformerConfig
 
-from megarl.config.schema import LAYER_SPECS
-from megarl.distributed.launch import device
+from megarl import device
 from megarl.distributed.layout import ParallelLayout
 from megarl.models.architecture import Architecture, check_layout_fits, padded_vocab_size
+from megarl.models.layer_specs import LAYER_SPECS
 from megarl.models.value_head import GPTValueModel, ValueHead
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def transformer_engine_usable() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
+@dataclass(frozen=True)
+class ScheduleSettings:
+    """How megatron-core's pipeline schedule drives the model: fields of the model's TransformerConfig
+    that only the schedule reads, given at build time. The defaults are megatron-core's."""
+
+    variable_seq_lengths: bool = False
+    """Each micro-batch has its own length: pipeline stages exchange tensor shapes before tensors."""
+    calculate_per_token_loss: bool = False
+    """Losses arrive already normalised: the schedule does not divide them by the micro-batch count."""
+    finalize_model_grads_func: Callable | None = None
+    """Called after the last backward of a step (gradient all-reduces)."""
+    grad_scale_func: Callable | None = None
+    """Scales the loss before backward (the optimizer's loss scale for fp16)."""
 
 
 def resolve_layer_spec(layer_spec: str) -> str:
     if layer_spec not in LAYER_SPECS:
         raise ValueError(f"model.layer_spec={layer_spec!r}; allowed: {', '.join(LAYER_SPECS)}")
     if layer_spec == "auto":
-        return "transformer_engine" if transformer_engine_usable() else "local"
-    if layer_spec == "transformer_engine" and not transformer_engine_usable():
+        return "transformer_engine" if device.transformer_engine() else "local"
+    if layer_spec == "transformer_engine" and not device.transformer_engine():
         raise ValueError("model.layer_spec='transformer_engine' needs CUDA and `pip install megarl[gpu]`")
     return layer_spec
 
 
 def transformer_config(
-    arch: Architecture, layout: ParallelLayout, dtype: str, recompute_activations: bool = False
+    arch: Architecture, layout: ParallelLayout, dtype: str, recompute_activations: bool = False,
+    schedule: ScheduleSettings = ScheduleSettings(),
 ) -> TransformerConfig:
     params_dtype = TORCH_DTYPES[dtype]
     return TransformerConfig(
@@ -78,13 +87,17 @@ def transformer_config(
         fp16=params_dtype == torch.float16,
         pipeline_dtype=params_dtype,
         # The fused kernels below exist only as CUDA extensions.
-        use_cpu_initialization=not torch.cuda.is_available(),
+        use_cpu_initialization=not device.cuda(),
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        **vars(schedule),
+        # megatron-core rejects variable_seq_lengths with its default MoE token dispatcher
+        # ("allgather") even in a dense model, which builds no dispatcher at all.
+        moe_token_dispatcher_type="alltoall" if schedule.variable_seq_lengths else "allgather",
     )
 
 
@@ -95,11 +108,12 @@ def build_model(
     layer_spec: str = "auto",
     make_vocab_size_divisible_by: int = 128,
     recompute_activations: bool = False,
+    schedule: ScheduleSettings = ScheduleSettings(),
 ) -> GPTModel:
     """The stage of `arch` that this rank holds: its layers, embedding on the first stage, and the
     output layer (or value head for value models) on the last stage."""
     check_layout_fits(arch, layout.tp, layout.pp)
-    config = transformer_config(arch, layout, dtype, recompute_activations)
+    config = transformer_config(arch, layout, dtype, recompute_activations, schedule)
     if resolve_layer_spec(layer_spec) == "transformer_engine":
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
     else:
@@ -120,7 +134,5 @@ def build_model(
         seq_len_interpolation_factor=arch.rope_factor if arch.rope_type == "linear" else None,
     )
     if arch.value_model and layout.is_last_stage:
-        model.output_layer = ValueHead(
-            arch.hidden_size, config.sequence_parallel, layout.tp_group, config.params_dtype, device()
-        )
+        model.output_layer = ValueHead(arch.hidden_size, config.params_dtype, device.compute_device())
     return model

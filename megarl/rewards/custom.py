@@ -20,11 +20,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Callable
 
+from megarl.messages import one_line
+
 SIGNATURE = "compute_score(data_source, solution_str, ground_truth, extra_info=None)"
-
-
-def _one_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
 
 
 def _import_file(path: str) -> ModuleType:
@@ -42,7 +40,8 @@ def _import_file(path: str) -> ModuleType:
         spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[module_name]
-        raise ValueError(f"importing custom function file {path!r} failed: {_one_line(exc)}") from exc
+        raise ValueError(f"importing custom function file {path!r} failed: "
+                         f"{type(exc).__name__}: {one_line(exc)}") from exc
     return module
 
 
@@ -50,7 +49,8 @@ def _import_module(name: str) -> ModuleType:
     try:
         return importlib.import_module(name)
     except Exception as exc:
-        raise ValueError(f"importing custom function module {name!r} failed: {_one_line(exc)}") from exc
+        raise ValueError(f"importing custom function module {name!r} failed: "
+                         f"{type(exc).__name__}: {one_line(exc)}") from exc
 
 
 def load_function(path: str, name: str) -> Callable:

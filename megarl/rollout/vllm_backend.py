@@ -1,8 +1,9 @@
 """The colocated vLLM engine: created in-process on every rank, inside our torchrun world.
 
 vLLM joins the existing process group (`external_launcher`) and builds its own groups on top, so
-it must be created after ours. Creating it has process-wide side effects that we undo: it reseeds
-the python/numpy/torch RNGs, replaces `torch.set_num_threads` with a no-op and freezes the GC.
+it must be created after ours; joining ours also set vLLM's environment (`megarl.distributed.process`).
+Creating it has process-wide side effects that we undo: it reseeds the python/numpy/torch RNGs,
+replaces `torch.set_num_threads` with a no-op and freezes the GC.
 Logprobs are the *processed* ones (after temperature), the distribution tokens were sampled from.
 Responses come back as token ids only (no detokenization: the trainer decodes once, for rewards).
 On GPU the engine sleeps while the trainer runs (KV cache and weights freed) and wakes for sync.
@@ -21,6 +22,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
+from megarl import device
 from megarl.rollout.base import ROLLOUT_BACKENDS, RolloutOutput, Sampling, WeightUpdateGuard
 
 
@@ -28,7 +30,7 @@ from megarl.rollout.base import ROLLOUT_BACKENDS, RolloutOutput, Sampling, Weigh
 def _preserve_process_state():
     set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
     states = (random.getstate(), np.random.get_state(), torch.get_rng_state())
-    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    cuda_states = torch.cuda.get_rng_state_all() if device.cuda() else None
     try:
         yield
     finally:
@@ -68,19 +70,16 @@ class _NothingToReload(logging.Filter):
 class VLLMRollout:
     def __init__(self, model_dir: str, dtype: str, tensor_parallel_size: int, max_model_len: int,
                  kv_cache_bytes: int, gpu_memory_utilization: float, seed: int, dummy_weights: bool = False):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
-        # Names vLLM's CPU shared-memory segments: unique per job so that jobs on one host never clash.
-        os.environ.setdefault("VLLM_DIST_IDENT", f"megarl{os.environ.get('MASTER_PORT', os.getpid())}")
         with _preserve_process_state():
             from vllm import LLM
 
             memory = (
-                {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": True}
-                if torch.cuda.is_available() else {"kv_cache_memory_bytes": kv_cache_bytes}
+                {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": device.sleep_mode()}
+                if device.cuda() else {"kv_cache_memory_bytes": kv_cache_bytes}
             )
             self.llm = LLM(
                 model=model_dir, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
-                distributed_executor_backend="external_launcher", enforce_eager=not torch.cuda.is_available(),
+                distributed_executor_backend="external_launcher", enforce_eager=not device.cuda(),
                 max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs",
                 load_format="dummy" if dummy_weights else "auto", **memory,
             )
@@ -112,7 +111,7 @@ class VLLMRollout:
 
     def begin_weight_update(self, step: int) -> None:
         self.guard.begin(step)
-        if torch.cuda.is_available():
+        if device.sleep_mode():
             self.llm.wake_up(tags=["weights"])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -126,7 +125,7 @@ class VLLMRollout:
 
     def end_weight_update(self) -> None:
         self.llm.collective_rpc(_refresh_lm_head)
-        if torch.cuda.is_available():
+        if device.sleep_mode():
             self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         self.guard.end()
@@ -140,11 +139,11 @@ class VLLMRollout:
                 os.unlink(path)
 
     def sleep(self) -> None:
-        if torch.cuda.is_available():
+        if device.sleep_mode():
             self.llm.sleep(level=2)  # weights are overwritten by the next sync: drop them too
 
     def wake_up(self) -> None:
-        if torch.cuda.is_available():
+        if device.sleep_mode():
             self.llm.wake_up()
 
 

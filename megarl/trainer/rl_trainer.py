@@ -33,6 +33,7 @@ from megarl.engine.megatron_engine import MegatronEngine
 from megarl.resharding.executor import WeightSync
 from megarl.rewards import RewardManager, compute_score, load_function, token_level_scores
 from megarl.rollout import ROLLOUT_BACKENDS, Sampling
+from megarl.seeding import derive_seed
 from megarl.tracking import Tracker
 from megarl.trainer.contract import check_batch
 from megarl.trainer.curves import plot_curves
@@ -121,16 +122,17 @@ class RLTrainer:
                        gpu_memory_utilization=rollout.gpu_memory_utilization, seed=self.config.trainer.seed,
                        dummy_weights=True)
 
-    def _sampling(self, step: int, validation: bool) -> Sampling:
-        rollout = self.config.rollout
+    def _sampling(self, step: int, validation: bool, draw: int = 0) -> Sampling:
+        """Sampling of one engine call; `draw` numbers the calls of one step (DAPO's filter rounds)."""
+        rollout, seed = self.config.rollout, self.config.trainer.seed
         stop = (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         if validation:
             return Sampling(n=rollout.val_n, temperature=rollout.val_temperature, top_p=rollout.top_p,
                             top_k=rollout.top_k, max_tokens=self.config.data.max_response_length,
-                            stop_token_ids=stop, seed=self.config.trainer.seed)
+                            stop_token_ids=stop, seed=derive_seed(seed, "validation"))
         return Sampling(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
                         max_tokens=self.config.data.max_response_length, stop_token_ids=stop,
-                        seed=self.config.trainer.seed * 1_000_003 + step * 65_537)
+                        seed=derive_seed(seed, "rollout", step=step, draw=draw))
 
     # ---- the loop ---------------------------------------------------------------------------------
 
@@ -190,8 +192,8 @@ class RLTrainer:
         self._check(batch, "advantage", ("advantages", "returns"))
         with timer("update_actor"):
             loss = actor_loss(self.config.actor, self.config.data.max_response_length)
-            actor_history, kept = self.actor.update(batch, loss, self.config.rollout.n, seed=step,
-                                                    temperature=temperature, keep_outputs=old_from_update)
+            actor_history, kept = self.actor.update(batch, loss, self.config.rollout.n, self.config.trainer.seed,
+                                                    step, temperature=temperature, keep_outputs=old_from_update)
         if old_from_update:
             scored = kept
             batch.response_tensors["old_logprobs"] = scored["logprobs"]
@@ -200,7 +202,7 @@ class RLTrainer:
         if self.critic is not None:
             with timer("update_critic"):
                 critic_history, _ = self.critic.update(batch, critic_loss(self.config.critic), self.config.rollout.n,
-                                                       seed=step)
+                                                       self.config.trainer.seed, step)
         self.rollout.wake_up()
         return self._metrics(step, batch, rollouts, scores, scored, sync, rounds, timer, advantage_metrics,
                              actor_history, critic_history)
@@ -214,7 +216,7 @@ class RLTrainer:
         while rounds == 0 or (algorithm.filter_groups and len(set(kept.group_ids)) < wanted
                               and rounds <= algorithm.max_filter_rounds):
             prompts = [self.train_data[i] for i in self.sampler.next_batch()]
-            fresh = self._collect(prompts, self._sampling(step * 31 + rounds, validation=False))
+            fresh = self._collect(prompts, self._sampling(step, validation=False, draw=rounds))
             kept.extend(informative(fresh) if algorithm.filter_groups else fresh)
             rounds += 1
         if algorithm.filter_groups:

@@ -17,6 +17,7 @@ from megarl.data.dataset import Prompt
 from megarl.engine.batch import SequenceBatch
 from megarl.rewards.manager import RewardFunctionError, RewardManager, ScoringItem
 from megarl.rollout.base import RolloutEngine, Sampling
+from megarl.seeding import derive_seed
 
 
 @dataclass
@@ -89,7 +90,7 @@ def collect_rollouts(prompts: list[Prompt], engine: RolloutEngine, sampling: Sam
     local = Rollouts()
     if mine:
         output = engine.generate([prompts[i].prompt_ids for i in mine],
-                                 replace(sampling, seed=sampling.seed + 7919 * replica))
+                                 replace(sampling, seed=derive_seed(sampling.seed, "engine_replica", replica=replica)))
         local.prompts = [prompts[i] for i in mine for _ in range(sampling.n)]
         local.group_ids = [i for i in mine for _ in range(sampling.n)]
         local.response_ids, local.rollout_logprobs = output.response_ids, output.logprobs

@@ -7,17 +7,21 @@ from collections import defaultdict
 from megarl.trainer.rollouts import Rollouts
 
 
+def pass_at_k(group_ids: list[int], scores: list[float]) -> float:
+    """The fraction of prompts (groups of samples) with at least one sample scoring >= 1."""
+    solved: dict[int, bool] = defaultdict(bool)
+    for group, score in zip(group_ids, scores):
+        solved[group] |= score >= 1.0
+    return sum(solved.values()) / len(solved)
+
+
 def validation_metrics(rollouts: Rollouts, k: int) -> dict[str, float]:
-    """`val/score/<source>` (mean over all samples), `val/score/mean`, and `val/pass@k` when k > 1:
-    the fraction of prompts with at least one sample scoring >= 1."""
+    """`val/score/<source>` (mean over all samples), `val/score/mean`, and `val/pass@k` when k > 1."""
     by_source: dict[str, list[float]] = defaultdict(list)
     for prompt, score in zip(rollouts.prompts, rollouts.scores):
         by_source[prompt.data_source].append(score)
     metrics = {f"val/score/{source}": sum(s) / len(s) for source, s in sorted(by_source.items())}
     metrics["val/score/mean"] = sum(rollouts.scores) / len(rollouts.scores)
     if k > 1:
-        solved: dict[int, bool] = defaultdict(bool)
-        for group, score in zip(rollouts.group_ids, rollouts.scores):
-            solved[group] |= score >= 1.0
-        metrics[f"val/pass@{k}"] = sum(solved.values()) / len(solved)
+        metrics[f"val/pass@{k}"] = pass_at_k(rollouts.group_ids, rollouts.scores)
     return metrics

@@ -29,7 +29,7 @@ def test_triton_path_matches_reference(dtype, temperature, inplace):
     # The kernel owns a copy of the logits (as in the engine, which gathers response rows first).
     logits = leaf * 1.0 if inplace else leaf
     logprob, entropy = logprobs_and_entropy(logits, targets, vocab_size=VOCAB_SIZE, temperature=temperature,
-                                            inplace_backward=inplace)
+                                            inplace_backward=inplace, use_triton=True)
     ref_logits = leaf.detach().clone().requires_grad_()
     ref_logprob, ref_entropy = reference_logprobs_and_entropy(ref_logits, targets, VOCAB_SIZE, temperature)
     torch.testing.assert_close(logprob, ref_logprob, atol=1e-4, rtol=0)

@@ -8,11 +8,12 @@ import statistics
 import pytest
 import torch
 
-from megarl.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, group_ids_from_index
+from megarl.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
 
 # Six responses: prompt "a" has two (lengths 3, 1), prompt "b" three (lengths 2, 3, 1), prompt "c" one.
 LENGTHS = [3, 1, 2, 3, 1, 2]
 UIDS = ["a", "a", "b", "b", "b", "c"]
+GROUP_IDS = [0, 0, 1, 1, 1, 2]  # UIDS numbered by first appearance
 OUTCOMES = [1.0, 0.0, 1.0, 0.0, 0.0, 0.5]
 R = 3
 
@@ -37,7 +38,7 @@ def inputs(**overrides) -> AdvantageInputs:
     fields = dict(
         token_rewards_BR=token_rewards_BR(penalty=-0.1),
         mask_BR=mask_BR(),
-        group_ids_B=group_ids_from_index(UIDS),
+        group_ids_B=torch.tensor(GROUP_IDS),
     )
     return AdvantageInputs(**{**fields, **overrides})
 
@@ -56,12 +57,6 @@ def python_whiten(rows: list[list[float]]) -> list[list[float]]:
 
 def padded(rows: list[list[float]]) -> torch.Tensor:
     return torch.tensor([row + [0.0] * (R - len(row)) for row in rows])
-
-
-def test_group_ids_from_index_numbers_by_first_appearance():
-    ids = group_ids_from_index(["x", 7, "x", (1, 2), 7])
-    assert ids.dtype == torch.long
-    assert ids.tolist() == [0, 1, 0, 2, 1]
 
 
 def test_grpo_groups_of_one_two_and_three():

@@ -1,10 +1,10 @@
-"""ResumableSampler: seeded epochs, exact resumption from a state dict, and rank shards."""
+"""ResumableSampler: seeded epochs, exact resumption from a state dict."""
 
 from __future__ import annotations
 
 import pytest
 
-from megarl.data import ResumableSampler, shard
+from megarl.data import ResumableSampler
 
 
 def test_resume_yields_the_same_batches():
@@ -49,10 +49,3 @@ def test_rejects_bad_arguments_and_states():
     with pytest.raises(ValueError, match="num_items=12"):
         sampler.load_state_dict(ResumableSampler(12, 2, seed=0).state_dict())
 
-
-def test_shard():
-    assert shard(list(range(10)), 1, 4) == [1, 5, 9]
-    shares = [shard(list(range(10)), rank, 3) for rank in range(3)]
-    assert sorted(i for share in shares for i in share) == list(range(10))
-    with pytest.raises(ValueError, match="rank 2 is not in 0..1"):
-        shard([1, 2], 2, 2)

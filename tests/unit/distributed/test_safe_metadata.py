@@ -16,7 +16,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-import megarl.checkpoint  # noqa: F401  (installs the restricted unpickler)
+from megarl.distributed import safe_metadata
+
+safe_metadata.install()  # what `megarl.distributed.process.configure_process` does at start-up
 
 
 class Exploit:
