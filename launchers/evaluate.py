@@ -18,20 +18,11 @@ import sys
 from collections import Counter
 
 from megarl.data.dataset import Prompt, read_records
-from megarl.rewards import RewardManager, ScoringItem, compute_score, load_function
+from megarl.rewards import RewardManager, ScoringItem, load_scoring_function
 from megarl.trainer.rollouts import Rollouts
 from megarl.trainer.validation import pass_at_k, validation_metrics
 
 REQUIRED = ("data_source", "response", "ground_truth", "index")
-
-
-def scoring_function(spec: str):
-    """`path/to/file.py:function` or `pkg.module:function` (function defaults to compute_score); empty:
-    the rule scorers by data_source. Shared with launchers/generate.py."""
-    if not spec:
-        return compute_score
-    path, _, name = spec.rpartition(":") if ":" in spec else (spec, "", "compute_score")
-    return load_function(path, name)
 
 
 def load_rollouts(path: str, reward_function: str, timeout_seconds: float) -> tuple[Rollouts, int]:
@@ -50,7 +41,7 @@ def load_rollouts(path: str, reward_function: str, timeout_seconds: float) -> tu
     if len(set(counts.values())) != 1:
         raise ValueError(f"{path}: prompts have different numbers of responses ({sorted(set(counts.values()))})")
     # A scorer that raises or times out gives 0; RewardManager counts it and logs a warning.
-    result = RewardManager(scoring_function(reward_function), timeout_seconds).score(
+    result = RewardManager(load_scoring_function(reward_function, "--reward-function"), timeout_seconds).score(
         [ScoringItem(p.data_source, row["response"], p.ground_truth, p.extra_info) for p, row in zip(prompts, rows)])
     rollouts = Rollouts(prompts=prompts, group_ids=[p.index for p in prompts], scores=result.scores)
     return rollouts, next(iter(counts.values()))
@@ -75,8 +66,8 @@ def evaluate(rollouts: Rollouts, k: int) -> dict[str, dict[str, float]]:
 def main(argv: list[str]) -> dict[str, dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("generations", help="a .jsonl or .parquet file written by launchers/generate.py")
-    parser.add_argument("--reward-function", default="", help="FILE.py[:NAME] or MODULE[:NAME]; default: the "
-                        "rule scorers by data_source")
+    parser.add_argument("--reward-function", default="", help="path/to/file.py:function or "
+                        "pkg.module:function; default: the rule scorers by data_source")
     parser.add_argument("--timeout-seconds", type=float, default=10.0, help="a slower scorer call scores 0")
     parser.add_argument("--json", help="also write the table to this JSON file")
     args = parser.parse_args(argv)

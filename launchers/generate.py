@@ -34,13 +34,11 @@ from megarl.distributed import init_layout
 from megarl.distributed.launch import init_process_group
 from megarl.doctor import MissingFeature, require
 from megarl.resharding.executor import WeightSync
-from megarl.rewards import RewardManager
+from megarl.rewards import RewardManager, load_scoring_function
 from megarl.rollout import ROLLOUT_BACKENDS, RolloutEngine, Sampling
 from megarl.seeding import derive_seed
 from megarl.trainer.rollouts import Rollouts, collect_rollouts
 from megarl.trainer.startup import exit_on_user_error
-
-from evaluate import scoring_function  # launchers/evaluate.py: this folder is first on sys.path
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -64,8 +62,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--kv-cache-mib", type=int, default=64, help="KV cache of each engine on CPU")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    parser.add_argument("--reward-function", default="", help="FILE.py[:NAME] or MODULE[:NAME]; default: the "
-                        "rule scorers by data_source")
+    parser.add_argument("--reward-function", default="", help="path/to/file.py:function or "
+                        "pkg.module:function; default: the rule scorers by data_source")
     args = parser.parse_args(argv)
     if Path(args.output).suffix not in (".jsonl", ".parquet"):
         parser.error(f"--output {args.output}: expected a .jsonl or .parquet file")
@@ -146,7 +144,7 @@ def main(argv: list[str]) -> None:
     sampling = Sampling(n=args.num_samples, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                         max_tokens=args.max_response_length, stop_token_ids=stop,
                         seed=derive_seed(args.seed, "validation"))  # the trainer's validation stream
-    rewards = RewardManager(scoring_function(args.reward_function))
+    rewards = RewardManager(load_scoring_function(args.reward_function, "--reward-function"))
     rollouts = collect_rollouts(prompts, engine, sampling, args.engine_tp, tokenizer, rewards)
     if dist.get_rank() == 0:
         write_generations(output_rows(rollouts, args.num_samples, load_rows(args.data), tokenizer), Path(args.output))

@@ -297,11 +297,10 @@ class AlgorithmConfig:
 
 @dataclass
 class RewardConfig:
-    custom_function_path: str = ""
-    """A .py file or module with the scoring function; empty: the rule scorers by data_source."""
-
-    custom_function_name: str = "compute_score"
-    """Function with the signature compute_score(data_source, solution_str, ground_truth, extra_info)."""
+    function: str = ""
+    """The scoring function, `path/to/file.py:function` or `pkg.module:function`, with the signature
+    compute_score(data_source, solution_str, ground_truth, extra_info=None); empty: the rule scorers
+    by data_source."""
 
     timeout_seconds: float = 10.0
     """A scorer slower than this gives reward 0 (counted and logged)."""

@@ -31,7 +31,7 @@ from megarl.data.dataset import PromptDataset
 from megarl.data.sampler import ResumableSampler
 from megarl.engine.megatron_engine import MegatronEngine
 from megarl.resharding.executor import WeightSync
-from megarl.rewards import RewardManager, compute_score, load_function, token_level_scores
+from megarl.rewards import RewardManager, load_scoring_function, token_level_scores
 from megarl.rollout import ROLLOUT_BACKENDS, Sampling
 from megarl.seeding import derive_seed
 from megarl.tracking import Tracker
@@ -60,9 +60,7 @@ class RLTrainer:
                                        data.apply_chat_template) if data.val_files else None)
         self.sampler = ResumableSampler(len(self.train_data), data.train_batch_size, config.trainer.seed,
                                         shuffle=data.shuffle)
-        score_fn = (load_function(config.reward.custom_function_path, config.reward.custom_function_name)
-                    if config.reward.custom_function_path else compute_score)
-        self.rewards = RewardManager(score_fn, config.reward.timeout_seconds)
+        self.rewards = RewardManager(load_scoring_function(config.reward.function), config.reward.timeout_seconds)
         trainer = config.trainer
         self.checkpointer = Checkpointer(Path(trainer.checkpoint_dir) / trainer.experiment_name, config.model.path,
                                          self.run_dir / "config.yaml", trainer.max_ckpt_to_keep, trainer.async_save)

@@ -31,7 +31,7 @@ def _args(model, data, out, *extra):
             f"data.val_files=[{test}]", f"trainer.output_dir={out}", f"trainer.checkpoint_dir={out}/ckpt",
             "trainer.total_steps=4", "trainer.save_freq=1", "trainer.test_freq=0", "data.train_batch_size=4",
             "actor.ppo_mini_batch_size=2", "data.max_val_samples=4", "actor.optim.lr=1e-3",
-            f"reward.custom_function_path={ROOT / 'tests/integration/user_reward.py'}", *extra]
+            f"reward.function={ROOT / 'tests/integration/user_reward.py'}:compute_score", *extra]
 
 
 def _metrics(out) -> dict[str, dict[int, float]]:

@@ -41,7 +41,7 @@ def test_trained_checkpoint_converts_for_transformers_and_vllm(tiny_models, tmp_
                               f"trainer.checkpoint_dir={tmp_path}/ckpt", "trainer.total_steps=1", "trainer.save_freq=1",
                               "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2",
                               "data.max_val_samples=4", "actor.optim.lr=1e-2", "trainer.val_before_train=false",
-                              f"reward.custom_function_path={ROOT / 'tests/integration/user_reward.py'}"))
+                              f"reward.function={ROOT / 'tests/integration/user_reward.py'}:compute_score"))
     checkpoint = tmp_path / "ckpt/quickstart_ppo/global_step_1"
     for model in ("actor", "critic"):
         result = torchrun(2, TO_HF, "--checkpoint", checkpoint, "--output", tmp_path / model, "--model", model,

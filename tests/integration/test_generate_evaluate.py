@@ -90,13 +90,12 @@ def test_generate_reproduces_the_validation_of_an_sft_warm_start_and_of_a_checkp
                               f"model.path={base}", *common, "trainer.total_steps=20", "data.train_batch_size=16",
                               "actor.micro_batch_size_per_rank=16", "actor.optim.lr_warmup_steps=2"))
     sft = tmp_path / "quickstart_sft/hf"
-    reward_file, _ = REWARD.split(":")
     assert_succeeded(torchrun(2, ROOT / "launchers/train_ppo.py", "--config", "configs/quickstart.yaml",
                               f"model.path={sft}", *common, f"data.val_files=[{test}]",
                               f"trainer.checkpoint_dir={tmp_path}/ckpt", "trainer.total_steps=2",
                               "trainer.save_freq=2", "trainer.test_freq=0", "trainer.val_before_train=true",
                               "data.train_batch_size=4", "rollout.n=2", "actor.ppo_mini_batch_size=2",
-                              "actor.optim.lr=3e-3", f"reward.custom_function_path={reward_file}"))
+                              "actor.optim.lr=3e-3", f"reward.function={REWARD}"))
     validated = _logged(tmp_path / "quickstart_grpo", "quickstart_grpo", "val/score/mean")
     assert sorted(validated) == [0, 2]
 

@@ -33,7 +33,7 @@ def lineage(tiny_models, tmp_path_factory):
                           f"model.path={tiny_models['qwen2-tied']}", f"data.train_files=[{train}]", "data.val_files=[]",
                           f"trainer.output_dir={root / name}", f"trainer.checkpoint_dir={root / checkpoints}",
                           "trainer.test_freq=0", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2",
-                          f"reward.custom_function_path={ROOT / 'tests/integration/user_reward.py'}", *extra,
+                          f"reward.function={ROOT / 'tests/integration/user_reward.py'}:compute_score", *extra,
                           timeout=600)
         result.seconds = time.monotonic() - started
         return result
@@ -70,9 +70,9 @@ def test_disable_into_a_directory_with_checkpoints_refuses_before_building_anyth
 def test_a_reward_function_with_the_wrong_signature_fails_before_any_engine(lineage, tmp_path):
     reward = tmp_path / "reward.py"
     reward.write_text("def compute_score(solution_str):\n    return 1.0\n")
-    result = lineage("signature", "trainer.total_steps=1", f"reward.custom_function_path={reward}")
+    result = lineage("signature", "trainer.total_steps=1", f"reward.function={reward}:compute_score")
     message = _one_error_line(result)
-    assert message.startswith(f"megarl: custom function 'compute_score' in '{reward}' has the signature")
+    assert message.startswith(f"megarl: reward.function='{reward}:compute_score' has the signature")
     assert "vllm" not in (result.stdout + result.stderr).lower()  # no engine was started
     assert not (lineage.root / "signature" / EXPERIMENT).exists()  # no config.yaml, no mlflow store
     print(f"wrong reward signature reported after {result.seconds:.1f} s")
@@ -81,7 +81,7 @@ def test_a_reward_function_with_the_wrong_signature_fails_before_any_engine(line
 def test_a_reward_function_returning_none_stops_the_run_at_its_first_step(lineage, tmp_path):
     reward = tmp_path / "reward.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return None\n")
-    result = lineage("none", "trainer.total_steps=2", f"reward.custom_function_path={reward}", checkpoints="none")
+    result = lineage("none", "trainer.total_steps=2", f"reward.function={reward}:compute_score", checkpoints="none")
     message = _one_error_line(result)
     assert message == ("megarl: all 32 reward calls failed (32 errors, 0 timeouts); first: item 0 (data_source "
                        "'arithmetic'): ValueError: compute_score must return a finite number or a dict with 'score', "

@@ -63,7 +63,7 @@ def test_grpo_variants_at_dp2(tiny_models, arithmetic, tmp_path):
                                   "actor.clip_ratio_high=0.28", "algorithm.filter_groups=true",
                                   "algorithm.overlong_buffer_length=2",
                                   f"reward.reward_model_path={tiny_models['qwen2-value']}",
-                                  f"reward.custom_function_path={ROOT / 'tests/integration/user_reward.py'}"),
+                                  f"reward.function={ROOT / 'tests/integration/user_reward.py'}:compute_score"),
                       timeout=600)
     assert_succeeded(result)
     run_dir = tmp_path / "quickstart_grpo"

@@ -1,4 +1,4 @@
-"""Loading user scoring functions by file path or module name, and using them unchanged."""
+"""A user scoring function is used unchanged; none named gives the rule scorers."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from megarl.rewards import RewardManager, ScoringItem, load_function
+from megarl.rewards import RewardManager, ScoringItem, compute_score, load_scoring_function
 
 USER_FILE = textwrap.dedent('''
     def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -14,11 +14,6 @@ USER_FILE = textwrap.dedent('''
         if data_source == "with_metrics":
             return {"score": float(correct), "length": len(solution_str), "note": "ignored"}
         return 1.0 if correct else 0.0
-
-    def helper():
-        pass
-
-    THRESHOLD = 3
 ''')
 
 
@@ -30,10 +25,10 @@ def user_file(tmp_path):
 
 
 def test_loads_from_file_and_scores(user_file):
-    compute_score = load_function(user_file, "compute_score")
-    assert compute_score("x", "42", "42") == 1.0
-    assert compute_score("x", "41", "42") == 0.0
-    result = RewardManager(compute_score).score([
+    user_function = load_scoring_function(f"{user_file}:compute_score")
+    assert user_function("x", "42", "42") == 1.0
+    assert user_function("x", "41", "42") == 0.0
+    result = RewardManager(user_function).score([
         ScoringItem("with_metrics", "42", "42", None),
         ScoringItem("plain", "41", "42", {}),
         ScoringItem("with_metrics", "7", "42", {"k": 1}),
@@ -45,34 +40,5 @@ def test_loads_from_file_and_scores(user_file):
     assert result.num_errors == 0 and result.first_error is None
 
 
-def test_loads_from_module_name():
-    assert load_function("megarl.rewards.scorers", "compute_score")("arithmetic", "3", "3") == 1.0
-
-
-def test_missing_function_lists_callables(user_file):
-    with pytest.raises(ValueError) as error:
-        load_function(user_file, "score_fn")
-    message = str(error.value)
-    assert "'score_fn'" in message and user_file in message and "compute_score, helper" in message
-    assert "THRESHOLD" not in message and "\n" not in message
-
-
-def test_not_callable(user_file):
-    with pytest.raises(ValueError, match="'THRESHOLD'.*not callable"):
-        load_function(user_file, "THRESHOLD")
-
-
-def test_missing_file_and_module(tmp_path):
-    with pytest.raises(ValueError, match="does not exist"):
-        load_function(str(tmp_path / "nope.py"), "compute_score")
-    with pytest.raises(ValueError, match="'no_such_pkg.rewards'.*ModuleNotFoundError"):
-        load_function("no_such_pkg.rewards", "compute_score")
-
-
-def test_import_error_is_one_line(tmp_path):
-    path = tmp_path / "broken.py"
-    path.write_text("import math\nraise RuntimeError('bad\\nconfig')\n")
-    with pytest.raises(ValueError) as error:
-        load_function(str(path), "compute_score")
-    assert str(path) in str(error.value) and "RuntimeError: bad config" in str(error.value)
-    assert "\n" not in str(error.value)
+def test_no_function_named_gives_the_rule_scorers():
+    assert load_scoring_function("") is compute_score

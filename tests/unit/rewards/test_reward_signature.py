@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megarl.rewards import RewardManager, ScoringItem, load_function
+from megarl.rewards import RewardManager, ScoringItem, load_scoring_function
 
 ACCEPTED = {
     "common": "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n",
@@ -25,7 +25,7 @@ REFUSED = {
 def test_functions_taking_the_four_arguments_load_and_score(tmp_path, source):
     path = tmp_path / "reward.py"
     path.write_text(source)
-    result = RewardManager(load_function(str(path), "compute_score")).score([ScoringItem("a", "b", "c", {})])
+    result = RewardManager(load_scoring_function(f"{path}:compute_score")).score([ScoringItem("a", "b", "c", {})])
     assert result.num_errors == 0 and result.scores[0] > 0
 
 
@@ -34,7 +34,7 @@ def test_other_signatures_are_refused_in_one_line_naming_file_and_expected_signa
     path = tmp_path / "reward.py"
     path.write_text(source)
     with pytest.raises(ValueError) as error:
-        load_function(str(path), "compute_score")
+        load_scoring_function(f"{path}:compute_score")
     message = str(error.value)
     assert "\n" not in message and str(path) in message
     assert message.endswith("expected compute_score(data_source, solution_str, ground_truth, extra_info=None)")
