@@ -14,6 +14,14 @@ from dataclasses import dataclass, field
 import torch
 
 
+def right_pad(rows: list[list], pad_value, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """(B, T): row i holds `rows[i]` from column 0, right-padded with `pad_value` to the longest row."""
+    padded = torch.full((len(rows), max(map(len, rows))), pad_value, dtype=dtype)
+    for i, row in enumerate(rows):
+        padded[i, : len(row)] = torch.tensor(row, dtype=dtype)
+    return padded
+
+
 @dataclass
 class SequenceBatch:
     tokens_BT: torch.Tensor
@@ -27,6 +35,14 @@ class SequenceBatch:
 
     response_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     """Per-token response-aligned (B, R) tensors carried for the loss: advantages, old log-probs..."""
+
+    @classmethod
+    def from_sequences(cls, prompt_ids: list[list[int]], response_ids: list[list[int]], pad_token_id: int,
+                       response_tensors: dict[str, torch.Tensor] | None = None) -> SequenceBatch:
+        """The batch of `prompt_ids[i] + response_ids[i]`, right-padded."""
+        return cls(right_pad([p + r for p, r in zip(prompt_ids, response_ids)], pad_token_id),
+                   torch.tensor([len(p) for p in prompt_ids]), torch.tensor([len(r) for r in response_ids]),
+                   response_tensors or {})
 
     def __len__(self) -> int:
         return self.tokens_BT.shape[0]

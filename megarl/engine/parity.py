@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, 
 from megarl import device
 from megarl.data.tokenization import prompt_ids
 from megarl.distributed.layout import ParallelLayout
+from megarl.engine.batch import right_pad
 from megarl.engine.forward import forward_outputs, gather_vocab
 from megarl.models.architecture import Architecture
 
@@ -26,12 +27,7 @@ def tokenize(model_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded token ids (B, T) of the check prompts and the mask of real tokens."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids = prompt_ids(list(PROMPTS), tokenizer, apply_chat_template=False)
-    tokens_BT = torch.full((len(ids), max(map(len, ids))), tokenizer.pad_token_id or 0)
-    mask_BT = torch.zeros_like(tokens_BT, dtype=torch.bool)
-    for i, row in enumerate(ids):
-        tokens_BT[i, : len(row)] = torch.tensor(row)
-        mask_BT[i, : len(row)] = True
-    return tokens_BT, mask_BT
+    return right_pad(ids, tokenizer.pad_token_id or 0), right_pad([[True] * len(row) for row in ids], False, torch.bool)
 
 
 def max_difference(model: torch.nn.Module, arch: Architecture, layout: ParallelLayout, hf_dir: str) -> float:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.data.dataset import Prompt
-from megarl.engine.batch import SequenceBatch
+from megarl.engine.batch import SequenceBatch, right_pad
 from megarl.rewards.manager import RewardFunctionError, RewardManager, ScoringItem
 from megarl.rollout.base import RolloutEngine, Sampling
 from megarl.seeding import derive_seed
@@ -68,17 +68,8 @@ class Rollouts:
 
     def to_batch(self, pad_token_id: int) -> SequenceBatch:
         """Prompt + response token sequences, right-padded, with the engine's log-probs aligned."""
-        sequences = [p.prompt_ids + r for p, r in zip(self.prompts, self.response_ids)]
-        width = max(map(len, sequences))
-        tokens = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-        for i, sequence in enumerate(sequences):
-            tokens[i, : len(sequence)] = torch.tensor(sequence)
-        response_lengths = torch.tensor([len(r) for r in self.response_ids])
-        rollout_logprobs = torch.zeros(len(self), int(response_lengths.max()))
-        for i, logprobs in enumerate(self.rollout_logprobs):
-            rollout_logprobs[i, : len(logprobs)] = torch.tensor(logprobs)
-        return SequenceBatch(tokens, torch.tensor([len(p.prompt_ids) for p in self.prompts]), response_lengths,
-                             {"rollout_logprobs": rollout_logprobs})
+        return SequenceBatch.from_sequences([p.prompt_ids for p in self.prompts], self.response_ids, pad_token_id,
+                                            {"rollout_logprobs": right_pad(self.rollout_logprobs, 0.0, torch.float32)})
 
 
 def collect_rollouts(prompts: list[Prompt], engine: RolloutEngine, sampling: Sampling, engine_tp: int,

@@ -9,7 +9,6 @@ checkpoint in `<run_dir>/hf`, ready to be `model.path` of an RL run.
 
 from __future__ import annotations
 
-import torch
 from transformers import AutoTokenizer
 
 from megarl.algorithms import aggregate
@@ -55,12 +54,8 @@ class SFTTrainer:
                                last_step=config.trainer.total_steps)
 
     def batch(self, indices: list[int]) -> SequenceBatch:
-        sequences = [self.data[i].prompt_ids + self.responses[i] for i in indices]
-        tokens = torch.full((len(indices), max(map(len, sequences))), self.tokenizer.pad_token_id or 0)
-        for row, sequence in enumerate(sequences):
-            tokens[row, : len(sequence)] = torch.tensor(sequence)
-        return SequenceBatch(tokens, torch.tensor([len(self.data[i].prompt_ids) for i in indices]),
-                             torch.tensor([len(self.responses[i]) for i in indices]))
+        return SequenceBatch.from_sequences([self.data[i].prompt_ids for i in indices],
+                                            [self.responses[i] for i in indices], self.tokenizer.pad_token_id or 0)
 
     def fit(self) -> None:
         for step in self.tracker.progress(range(1, self.config.trainer.total_steps + 1)):

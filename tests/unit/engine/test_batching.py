@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarl.engine.batch import SequenceBatch
+from megarl.engine.batch import SequenceBatch, right_pad
 from megarl.engine.batching import (
     budgeted_micro_batches,
     fixed_micro_batches,
@@ -84,3 +84,12 @@ def test_response_alignment_by_hand():
     assert batch.response_mask_BR.tolist() == [[1, 1, 1], [1, 1, 0]]
     sub = batch.select([1])
     assert sub.tokens_BT.tolist() == [[6, 7, 8, 9, 10, 11]] and sub.max_response_length == 2
+
+
+def test_from_sequences_right_pads_prompt_plus_response():
+    batch = SequenceBatch.from_sequences([[5, 6], [7]], [[1], [2, 3, 4]], pad_token_id=0,
+                                         response_tensors={"x": right_pad([[0.5], [1.0, 2.0, 3.0]], 0.0, torch.float32)})
+    assert batch.tokens_BT.tolist() == [[5, 6, 1, 0], [7, 2, 3, 4]]
+    assert batch.prompt_lengths_B.tolist() == [2, 1] and batch.response_lengths_B.tolist() == [1, 3]
+    assert batch.response_tokens_BR().tolist()[1] == [2, 3, 4]
+    assert batch.response_tensors["x"].tolist() == [[0.5, 0.0, 0.0], [1.0, 2.0, 3.0]]
