@@ -85,9 +85,12 @@ class MegatronEngine:
     def _make_trainable(self, model_config: ModelConfig, total_optimizer_steps: int) -> None:
         optim = self.config.optim
         distributed = self.config.use_distributed_optimizer and self.layout.dp > 1
-        self.model = DistributedDataParallel(
-            self.module.config, DistributedDataParallelConfig(use_distributed_optimizer=distributed), self.module
+        # bf16/fp16 gradients are accumulated over micro-batches and reduced over DP in fp32 buffers
+        # (megatron's own training does the same): summing in bf16 loses the small contributions.
+        ddp_config = DistributedDataParallelConfig(
+            use_distributed_optimizer=distributed, grad_reduce_in_fp32=model_config.dtype != "float32"
         )
+        self.model = DistributedDataParallel(self.module.config, ddp_config, self.module)
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer=optim.optimizer, lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
