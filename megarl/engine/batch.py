@@ -61,10 +61,12 @@ class SequenceBatch:
         return (columns_R[None, :] < self.response_lengths_B[:, None]).float()
 
     def response_positions_BR(self) -> torch.Tensor:
-        """Positions whose outputs predict each response token (clamped inside the padding)."""
+        """Positions inside each sequence whose outputs predict its response tokens. Padded columns
+        repeat the sequence's own last predicting position (length - 2), never a position past its
+        own tokens: in a packed layout that would be another sequence's row, or past the last row."""
         columns_R = torch.arange(self.max_response_length)
         positions = self.prompt_lengths_B[:, None] - 1 + columns_R[None, :]
-        return positions.clamp(max=self.tokens_BT.shape[1] - 2)
+        return torch.minimum(positions, self.sequence_lengths_B[:, None] - 2)
 
     def response_tokens_BR(self) -> torch.Tensor:
         return self.tokens_BT.gather(1, self.response_positions_BR() + 1)

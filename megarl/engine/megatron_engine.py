@@ -35,6 +35,7 @@ from megarl.distributed.layout import ParallelLayout
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.batching import budgeted_micro_batches, fixed_micro_batches, split_over_data_parallel, token_imbalance
 from megarl.engine.memory import MemoryPhases
+from megarl.engine.packing import pack, response_output_rows
 from megarl.models.builder import ScheduleSettings, resolve_layer_spec
 from megarl.models.hf_interop import load_hf_model
 from megarl.seeding import derive_seed
@@ -88,9 +89,12 @@ class MegatronEngine:
     def _make_trainable(self, model_config: ModelConfig, total_optimizer_steps: int) -> None:
         optim = self.config.optim
         distributed = self.config.use_distributed_optimizer and self.layout.dp > 1
-        self.model = DistributedDataParallel(
-            self.module.config, DistributedDataParallelConfig(use_distributed_optimizer=distributed), self.module
+        # bf16/fp16 gradients are accumulated over micro-batches and reduced over DP in fp32 buffers
+        # (megatron's own training does the same): summing in bf16 loses the small contributions.
+        ddp_config = DistributedDataParallelConfig(
+            use_distributed_optimizer=distributed, grad_reduce_in_fp32=model_config.dtype != "float32"
         )
+        self.model = DistributedDataParallel(self.module.config, ddp_config, self.module)
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer=optim.optimizer, lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
@@ -157,22 +161,12 @@ class MegatronEngine:
             tokens_bT = micro_batch.tokens_BT.to(device.compute_device())
             positions_bT = torch.arange(tokens_bT.shape[1], device=tokens_bT.device).expand_as(tokens_bT)
             return tokens_bT, positions_bT, None
-        lengths = micro_batch.sequence_lengths_B.tolist()
-        tokens = torch.cat([row[:n] for row, n in zip(micro_batch.tokens_BT, lengths)])
-        positions = torch.cat([torch.arange(n) for n in lengths])
-        cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device.compute_device())
+        tokens_1N, positions_1N, cu_seqlens = pack(micro_batch)
+        cu_seqlens = cu_seqlens.to(device.compute_device())
+        longest = int(micro_batch.sequence_lengths_B.max())
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                                 max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
-        return tokens[None].to(device.compute_device()), positions[None].to(device.compute_device()), params
-
-    def _response_rows(self, micro_batch: SequenceBatch) -> torch.Tensor:
-        """Rows of the flattened model output that predict each response token, (b * R,)."""
-        positions_bR = micro_batch.response_positions_BR()
-        if self.packed:
-            starts = torch.cat([torch.zeros(1, dtype=torch.long), micro_batch.sequence_lengths_B.cumsum(0)[:-1]])
-        else:
-            starts = micro_batch.tokens_BT.shape[1] * torch.arange(len(micro_batch))
-        return (positions_bR + starts[:, None]).flatten().to(device.compute_device())
+                                 max_seqlen_q=longest, max_seqlen_kv=longest)
+        return tokens_1N.to(device.compute_device()), positions_1N.to(device.compute_device()), params
 
     # ---- outputs of the model for response tokens -------------------------------------------------
 
@@ -180,7 +174,7 @@ class MegatronEngine:
         """(b, R) log-probs and entropy (or values) of the response tokens from the model output."""
         b = len(micro_batch)
         mask_bR = micro_batch.response_mask_BR.to(output_bTV.device)
-        rows = self._response_rows(micro_batch)
+        rows = response_output_rows(micro_batch, self.packed).to(output_bTV.device)
         if self.arch.value_model:
             values = output_bTV.reshape(-1)[rows].view(b, -1).float()
             return {"values": values * mask_bR}

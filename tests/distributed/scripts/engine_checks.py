@@ -26,6 +26,9 @@ parser.add_argument("--tp", type=int, default=1)
 parser.add_argument("--pp", type=int, default=1)
 parser.add_argument("--dynamic", action="store_true", help="token-budget micro-batches")
 parser.add_argument("--recompute", action="store_true", help="recompute activations in backward")
+parser.add_argument("--dtype", default="float32", help="the policy's and critic's model.dtype")
+parser.add_argument("--bf16-steps", type=int, default=0,
+                    help="then train the fp32 policy and a bf16 copy this many steps each, reporting both losses")
 args = parser.parse_args()
 
 TEMPERATURE = 0.7
@@ -68,9 +71,9 @@ def max_diff(scores, reference):
 
 
 report = {}
-policy = MegatronEngine(layout, ModelConfig(path=args.policy), engine_config, total_optimizer_steps=10)
+policy = MegatronEngine(layout, ModelConfig(path=args.policy, dtype=args.dtype), engine_config, total_optimizer_steps=10)
 scores = policy.score(batch, temperature=TEMPERATURE)
-critic = MegatronEngine(layout, ModelConfig(path=args.value), engine_config)
+critic = MegatronEngine(layout, ModelConfig(path=args.value, dtype=args.dtype), engine_config)
 values = critic.score(batch)
 if dist.get_rank() == 0:
     report["logprob_entropy_diff"] = max_diff(scores, hf_response_outputs(args.policy, False))
@@ -89,6 +92,18 @@ metrics, before_step = policy.train_mini_batch(batch, nll_with_entropy_bonus, te
 report["kept_outputs_vs_score"] = max_diff(before_step, scores)  # the trainer's old log-probs, for free
 export_hf(policy.module, policy.arch, layout, args.out, args.policy)
 report.update(metrics)
+if args.bf16_steps:
+    # bf16 from the same checkpoint: its gradients must accumulate and reduce over DP in fp32 buffers.
+    bf16 = MegatronEngine(layout, ModelConfig(path=args.policy, dtype="bfloat16"), engine_config,
+                          total_optimizer_steps=10)
+    report["bf16_param_dtypes"] = sorted({str(p.dtype) for p in bf16.module.parameters()})
+    report["bf16_grad_buffer_dtypes"] = sorted({str(p.main_grad.dtype) for p in bf16.module.parameters()})
+    report["fp32_losses"] = [metrics["loss"]] + [
+        policy.train_mini_batch(batch, nll_with_entropy_bonus, temperature=TEMPERATURE)[0]["loss"]
+        for _ in range(args.bf16_steps - 1)
+    ]
+    report["bf16_losses"] = [bf16.train_mini_batch(batch, nll_with_entropy_bonus, temperature=TEMPERATURE)[0]["loss"]
+                             for _ in range(args.bf16_steps)]
 report["offload_bytes"] = policy.memory.offload()  # on CPU: what would move
 report["param_count"] = sum(p.numel() for p in policy.module.parameters())
 if dist.get_rank() == 0:

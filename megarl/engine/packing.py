@@ -1,0 +1,41 @@
+"""Where a micro-batch's sequences sit in the model's input and output: padded or packed.
+
+Padded, (b, T): sequence i is row i, columns 0..n_i-1, right-padded to the longest sequence T.
+Packed (THD), (1, sum n_i): sequences are concatenated without padding, positions restart at 0 in
+each, and `cu_seqlens` (cumulative lengths from 0) tells attention where each sequence starts.
+
+Either way the model output is read back through one index: output row = the sequence's first row
+(i * T padded, cu_seqlens[i] packed) + the position inside the sequence that predicts the response
+token (`SequenceBatch.response_positions_BR`, which stays inside each sequence's own tokens, so the
+padded response columns of the last packed sequence never point past the last row).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.engine.batch import SequenceBatch
+
+
+def cumulative_lengths(lengths_B: torch.Tensor) -> torch.Tensor:
+    """(b + 1,) int32 offsets of each sequence in the packed row, starting at 0 (THD's cu_seqlens)."""
+    return torch.cat([torch.zeros(1, dtype=torch.long), lengths_B.cumsum(0)]).to(torch.int32)
+
+
+def pack(batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens (1, N), positions (1, N), cu_seqlens (b + 1,)) of the sequences laid end to end,
+    N = sum of their lengths; positions restart at every sequence."""
+    lengths = batch.sequence_lengths_B.tolist()
+    tokens_N = torch.cat([row[:n] for row, n in zip(batch.tokens_BT, lengths)])
+    positions_N = torch.cat([torch.arange(n) for n in lengths])
+    return tokens_N[None], positions_N[None], cumulative_lengths(batch.sequence_lengths_B)
+
+
+def response_output_rows(batch: SequenceBatch, packed: bool) -> torch.Tensor:
+    """(b * R,) rows of the flattened model output, (b*T, ...) padded or (N, ...) packed, that predict
+    each response token; padded response columns repeat the sequence's last real row."""
+    if packed:
+        first_rows_B = cumulative_lengths(batch.sequence_lengths_B)[:-1].long()
+    else:
+        first_rows_B = batch.tokens_BT.shape[1] * torch.arange(len(batch))
+    return (batch.response_positions_BR() + first_rows_B[:, None]).flatten()
