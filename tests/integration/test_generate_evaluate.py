@@ -67,6 +67,8 @@ def test_generate_on_a_checkpoint_reproduces_the_trainers_validation(tiny_models
     # Greedy responses of these tiny models repeat one character, whose parity the reward then scores:
     # an odd response length keeps the scores varied. The learning rate makes the last step change the
     # validation score, so a validation of stale weights (those the step started from) fails here.
+    # The seed picks such a run: val/score/mean 0.6875 after step 1, 0.5 after step 2 (with seed 1
+    # every response of step 2 is "<<<<<", all scoring 0).
     train, test = make_arithmetic(8, 16, seed=0, out_dir=tmp_path / "data")
     lengths = {"max_prompt_length": 16, "max_response_length": 5}  # the same for validation and generate.py
     reward_file, _ = REWARD.split(":")
@@ -77,7 +79,7 @@ def test_generate_on_a_checkpoint_reproduces_the_trainers_validation(tiny_models
                               f"trainer.output_dir={tmp_path}", f"trainer.checkpoint_dir={tmp_path}/ckpt",
                               "trainer.total_steps=2", "trainer.save_freq=2", "trainer.test_freq=0",
                               "trainer.val_before_train=false", "data.train_batch_size=4", "rollout.n=2",
-                              "actor.ppo_mini_batch_size=2", "actor.optim.lr=3e-3",
+                              "actor.ppo_mini_batch_size=2", "actor.optim.lr=3e-3", "trainer.seed=2",
                               f"reward.custom_function_path={reward_file}"))
     validated = _last_logged(tmp_path / "quickstart_grpo", "quickstart_grpo", "val/score/mean")
 
