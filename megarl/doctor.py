@@ -154,6 +154,7 @@ def inspect_environment() -> Environment:
                 not missing_core, "missing " + ", ".join(missing_core) if missing_core else "installed",
                 MAKE_INSTALL if missing_core else ""),
         cuda_feature,
+        # `cuda and device.x()`: CUDA implies torch, hence a `device` module to ask.
         _gpu_feature("transformer_engine", "Transformer Engine layers and packed sequences",
                      cuda and device.transformer_engine(), te is not None, cuda, "transformer-engine", GPU_INSTALL),
         _gpu_feature("triton", "Triton log-prob kernel", cuda and device.triton(), triton is not None, cuda, "triton",
