@@ -83,7 +83,9 @@ class MegatronEngine:
 
     def _make_trainable(self, model_config: ModelConfig, total_optimizer_steps: int) -> None:
         optim = self.config.optim
-        distributed = self.config.use_distributed_optimizer and self.layout.dp > 1
+        # Also at DP1, where it shards nothing: one optimizer class at every layout means one checkpoint
+        # format, so a run saved at DP2 resumes at TP2 or PP2 (`megarl.checkpoint.optimizer_state`).
+        distributed = self.config.use_distributed_optimizer
         self.model = DistributedDataParallel(
             self.module.config, DistributedDataParallelConfig(use_distributed_optimizer=distributed), self.module
         )
