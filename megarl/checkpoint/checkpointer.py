@@ -9,8 +9,8 @@
       manifest.json           written last (see `directory`)
 
 Every rank writes its own shards (in background processes with `trainer.async_save`); rank 0 writes
-the small files and publishes the checkpoint with one atomic rename once all ranks are done. Distributed-optimizer state uses megatron's
-`dp_reshardable` format (reshardable over DP only); without it, optimizer state reshards freely.
+the small files and publishes the checkpoint with one atomic rename once all ranks are done. Optimizer
+state is saved per model parameter (`optimizer_state`), so it reshards over TP, PP and DP like the model.
 """
 
 from __future__ import annotations
@@ -38,27 +38,21 @@ from megarl.checkpoint.directory import (
     step_dirs,
     write_manifest,
 )
+from megarl.checkpoint.optimizer_state import (
+    check_step_counts,
+    initialize_optimizer_state,
+    load_optimizer_state,
+    sharded_optimizer_state,
+)
 from megarl.models.hf_interop import copy_hf_files
-
-OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 def sharded_state(engine, is_loading: bool) -> dict:
     model = engine.module.sharded_state_dict()
     state = {"model": model}
     if engine.optimizer is not None:
-        state["optimizer"] = engine.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=OPTIMIZER_FORMAT)
+        state["optimizer"] = sharded_optimizer_state(engine.optimizer, model, is_loading)
     return state
-
-
-def initialize_optimizer_state(optimizer) -> None:
-    """Create (zero) Adam state before loading into it: the optimizer only creates state at its first
-    step, and without Apex/TE megatron's distributed optimizer also needs each state's `step`."""
-    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if chained.init_state_fn is not None:
-            chained.init_state_fn(chained.optimizer, chained.config)
-        for state in chained.optimizer.state.values():
-            state.setdefault("step", torch.tensor(0.0))
 
 
 def rng_state() -> dict:
@@ -170,8 +164,9 @@ class Checkpointer:
             initialize_optimizer_state(engine.optimizer)
             loaded = dist_checkpointing.load(sharded_state(engine, is_loading=True), str(directory / name))
             engine.module.load_state_dict(loaded["model"])
-            engine.optimizer.load_state_dict(loaded["optimizer"])
+            load_optimizer_state(engine.optimizer, loaded["optimizer"])
             engine.scheduler.load_state_dict(state["schedulers"][name])
+            check_step_counts(engine.optimizer, taken=engine.scheduler.num_steps, where=directory / name)
         if state["world_size"] == dist.get_world_size():  # RNG streams belong to ranks: same-size worlds only
             set_rng_state(torch.load(directory / "rng" / f"rank_{dist.get_rank()}.pt", weights_only=True))
         return state

@@ -1,7 +1,7 @@
 """Bridges megatron-core's CUDA assumptions so that it runs on CPU over gloo.
 
 Applied only when `megarl.device` says CUDA is absent (`apply_cpu_compat` is a no-op otherwise).
-megatron-core 0.16 assumes a GPU in seven places; each is bridged by one named `Bridge` below, so
+megatron-core 0.16 assumes a GPU in eight places; each is bridged by one named `Bridge` below, so
 a test can leave one out and watch the megatron code path it guards fail:
 
 1. `current_device`: `torch.cuda.current_device()` used as the device of buffers (the global
@@ -14,10 +14,12 @@ a test can leave one out and watch the megatron code path it guards fail:
    and the grad-norm helper.
 6. `clip_grads_type`: grad clipping asserts `grad.type() == "torch.cuda.FloatTensor"`.
 7. `optimizer_type`: the optimizers sort parameters by CUDA type names.
+8. `optimizer_gather_cuda`: saving the distributed optimizer's state in its layout-independent
+   (`fully_reshardable`) form all-gathers it over DP after `Tensor.cuda()`.
 
 How: megatron modules get a *view* of `torch` as their module global `torch`; the view forwards
 everything to the real module, except the attributes a bridge sets on it. Nothing outside
-megatron (vLLM, transformers, our own code) sees a changed `torch`. Bridges 4, 6 and 7 cannot be
+megatron (vLLM, transformers, our own code) sees a changed `torch`. Bridges 4, 6, 7 and 8 cannot be
 scoped by module (they are Tensor methods), so they wrap the one megatron function that needs
 them and patch the Tensor method only for the duration of that call.
 """
@@ -86,6 +88,10 @@ def _cpu_factory(factory):
     return make
 
 
+def _tensor_cuda_is_identity():
+    return _patched(torch.Tensor, "cuda", lambda self, *args, **kwargs: self)
+
+
 @contextlib.contextmanager
 def _patched(owner, name: str, value):
     original = getattr(owner, name)
@@ -150,11 +156,7 @@ def _apply_synchronize(view):
 def _apply_tensor_cuda(view):
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
-    _wrap_with(
-        LanguageModule,
-        "setup_embeddings_and_output_layer",
-        lambda: _patched(torch.Tensor, "cuda", lambda self, *args, **kwargs: self),
-    )
+    _wrap_with(LanguageModule, "setup_embeddings_and_output_layer", _tensor_cuda_is_identity)
 
 
 def _apply_cuda_factories(view):
@@ -182,6 +184,11 @@ def _apply_optimizer_type(view):
     )
 
 
+def _apply_optimizer_gather_cuda(view):
+    distrib_optimizer = sys.modules["megatron.core.optimizer.distrib_optimizer"]
+    _wrap_with(distrib_optimizer.DistributedOptimizer, "get_parameter_state_dp_zero", _tensor_cuda_is_identity)
+
+
 BRIDGES = (
     Bridge("current_device", "torch.cuda.current_device() as a buffer device", _apply_current_device),
     Bridge("rng_tracker", "tensor-parallel RNG tracker on the CUDA generator", _apply_rng_tracker),
@@ -190,6 +197,8 @@ BRIDGES = (
     Bridge("cuda_factories", 'device="cuda" tensor factories', _apply_cuda_factories),
     Bridge("clip_grads_type", "grad clipping asserts CUDA grad types", _apply_clip_grads_type),
     Bridge("optimizer_type", "optimizers sort params by CUDA type names", _apply_optimizer_type),
+    Bridge("optimizer_gather_cuda", "Tensor.cuda() before gathering optimizer state to save it",
+           _apply_optimizer_gather_cuda),
 )
 
 

@@ -7,7 +7,12 @@ before any model, engine or checkpoint exists, instead of on import or in a cons
 - vLLM's environment for an engine colocated in this process: `VLLM_ENABLE_V1_MULTIPROCESSING=0`
   (the engine lives in this process, not in a child) and `VLLM_DIST_IDENT` (names vLLM's CPU
   shared-memory segments; unique per job, from its rendezvous port, so jobs on one host never clash);
-- torch's checkpoint-metadata reads go through the restricted unpickler (`safe_metadata`).
+- torch's checkpoint-metadata reads go through the restricted unpickler (`safe_metadata`);
+- megarl's loggers write to stderr, prefixed with the rank, at the level MEGARL_LOG_LEVEL (default
+  WARNING; DEBUG logs the start of every phase of every step);
+- a torchrun worker dies with its agent: torch elastic starts workers in sessions of their own
+  (`start_new_session=True`), so killing the agent, or its process group, would otherwise leave them
+  training and saving checkpoints with nobody to restart or stop them.
 
 `init_process_group` calls it: every megarl program (launchers, tools, benchmarks, the tests' worker
 scripts) joins its torchrun world through it. Settings the user already made in the environment win.
@@ -15,7 +20,11 @@ scripts) joins its torchrun world through it. Settings the user already made in 
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
+import signal
+import sys
 
 from megarl.distributed import safe_metadata
 from megarl.distributed.cpu_compat import apply_cpu_compat
@@ -23,7 +32,33 @@ from megarl.distributed.cpu_compat import apply_cpu_compat
 
 def configure_process() -> None:
     """Apply every process-wide setting (idempotent). Needs MASTER_PORT set (torchrun's rendezvous)."""
+    _log_to_stderr(os.environ.get("RANK", "0"))
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        exit_with_parent()
     apply_cpu_compat()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_DIST_IDENT", f"megarl{os.environ['MASTER_PORT']}")
     safe_metadata.install()
+
+
+def _log_to_stderr(rank: str) -> None:
+    megarl_logger = logging.getLogger("megarl")
+    if megarl_logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(name)s: %(message)s"))
+    megarl_logger.addHandler(handler)
+    megarl_logger.setLevel(os.environ.get("MEGARL_LOG_LEVEL", "WARNING").upper())
+
+
+def exit_with_parent() -> None:
+    """Have the kernel SIGKILL this process when its parent (the torchrun agent) dies (Linux).
+
+    A worker whose agent died before this call cannot join the world: the agent hosts the store
+    that `init_process_group` connects to. Children of this process (checkpoint writers) are not
+    covered; they finish their write and exit, and only the workers themselves publish a checkpoint."""
+    if sys.platform != "linux":
+        return
+    pr_set_pdeathsig = 1  # from <linux/prctl.h>
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")

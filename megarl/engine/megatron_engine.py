@@ -88,7 +88,9 @@ class MegatronEngine:
 
     def _make_trainable(self, model_config: ModelConfig, total_optimizer_steps: int) -> None:
         optim = self.config.optim
-        distributed = self.config.use_distributed_optimizer and self.layout.dp > 1
+        # Also at DP1, where it shards nothing: one optimizer class at every layout means one checkpoint
+        # format, so a run saved at DP2 resumes at TP2 or PP2 (`megarl.checkpoint.optimizer_state`).
+        distributed = self.config.use_distributed_optimizer
         # bf16/fp16 gradients are accumulated over micro-batches and reduced over DP in fp32 buffers
         # (megatron's own training does the same): summing in bf16 loses the small contributions.
         ddp_config = DistributedDataParallelConfig(

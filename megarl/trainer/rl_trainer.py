@@ -159,7 +159,7 @@ class RLTrainer:
         return last
 
     def step(self, step: int) -> dict[str, float]:
-        timer = PhaseTimer()
+        timer = PhaseTimer(step)
         with timer("reshard"):
             sync = self.sync.sync(step)
         with timer("rollout"):

@@ -1,18 +1,24 @@
 """Wall-clock time per phase of an RL step; an error raised inside a phase (a collective that timed
-out, say) carries a note naming the phase."""
+out, say) carries a note naming the phase, and the start of each phase is logged at debug level
+(`MEGARL_LOG_LEVEL=DEBUG` shows where a job is, or was when it died)."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
+
+logger = logging.getLogger(__name__)
 
 
 class PhaseTimer:
-    def __init__(self):
+    def __init__(self, step: int):
+        self.step = step
         self.seconds: dict[str, float] = {}
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
+        logger.debug("step %d: %s phase begins", self.step, phase)
         start = time.perf_counter()
         try:
             yield

@@ -1,23 +1,54 @@
-"""Checkpoints that never lose work: SIGKILL during training or during a save, then resume=auto,
-gives the same per-step losses and rewards as an uninterrupted run (bitwise on CPU); a run saved
-at TP2 resumes at PP2; retention and damaged checkpoints.
+"""Checkpoints that never lose work.
+
+A crash is a SIGKILL of every process of the job: torchrun's agent, its workers (which torch elastic
+starts in sessions of their own, out of reach of `killpg`) and their checkpoint writers. Jobs are
+killed at chosen moments (during a rollout, an actor update, a save, an asynchronous save; the
+trainer logs the start of each phase at debug level), then `resume_mode=auto` continues from the
+newest complete checkpoint. The resumed job must train exactly the steps after that checkpoint and
+log every metric bitwise equal to an uninterrupted run (CPU: the same kernels on the same bytes),
+for GRPO at DP2 and for PPO with a critic at TP2, and its Adam state must count one step per
+optimizer step taken. Checkpoints are layout-independent (DP2 -> TP2, DP2 -> PP2, TP2 -> PP2), and
+workers die with their agent.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import mlflow
+import psutil
 import pytest
+import torch
 
 from megarl.data.synthetic import make_arithmetic
-from tests.conftest import ROOT, assert_succeeded, torchrun
+from tests.conftest import ROOT
 
-METRICS = ("reward/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "response_length/mean")
+TOTAL_STEPS = 4
+TRAIN_BATCH_SIZE, MINI_BATCH_SIZE = 4, 2  # prompts: two optimizer steps per RL step, for actor and critic
+WALL_CLOCK = ("timing/", "throughput/", "sync/seconds")  # metrics that measure time, not training
+
+
+@dataclass(frozen=True)
+class Job:
+    config: str
+    experiment: str
+    overrides: tuple[str, ...]
+    engines: tuple[str, ...]
+
+
+JOBS = {
+    "grpo_dp2": Job("configs/quickstart.yaml", "quickstart_grpo", (), ("actor",)),
+    "ppo_tp2": Job("configs/quickstart_ppo.yaml", "quickstart_ppo",
+                   ("actor.tp=2", f"critic.ppo_mini_batch_size={MINI_BATCH_SIZE}"), ("actor", "critic")),
+}
 
 
 @pytest.fixture(scope="module")
@@ -25,85 +56,200 @@ def arithmetic(tmp_path_factory):
     return make_arithmetic(64, 16, seed=0, out_dir=tmp_path_factory.mktemp("data"))
 
 
-def _args(model, data, out, *extra):
+def _args(job: Job, model, data, out: Path, *extra: str) -> list[str]:
     train, test = data
-    return ["--config", "configs/quickstart.yaml", f"model.path={model}", f"data.train_files=[{train}]",
+    return ["--config", job.config, f"model.path={model}", f"data.train_files=[{train}]",
             f"data.val_files=[{test}]", f"trainer.output_dir={out}", f"trainer.checkpoint_dir={out}/ckpt",
-            "trainer.total_steps=4", "trainer.save_freq=1", "trainer.test_freq=0", "data.train_batch_size=4",
-            "actor.ppo_mini_batch_size=2", "data.max_val_samples=4", "actor.optim.lr=1e-3",
-            f"reward.function={ROOT / 'tests/integration/user_reward.py'}:compute_score", *extra]
+            f"trainer.total_steps={TOTAL_STEPS}", "trainer.save_freq=1", "trainer.test_freq=0",
+            f"data.train_batch_size={TRAIN_BATCH_SIZE}", f"actor.ppo_mini_batch_size={MINI_BATCH_SIZE}",
+            "data.max_val_samples=4", "actor.optim.lr=1e-3",
+            f"reward.function={ROOT / 'tests/integration/user_reward.py'}:compute_score", *job.overrides, *extra]
 
 
-def _metrics(out) -> dict[str, dict[int, float]]:
-    """The last value logged for each step (a resumed run logs the steps after its checkpoint again)."""
-    client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{out}/quickstart_grpo/mlflow.db")
-    runs = client.search_runs([client.get_experiment_by_name("quickstart_grpo").experiment_id])
+class Launch:
+    """One torchrun job of 2 workers in the background; its console and its debug log go to files."""
+
+    def __init__(self, out: Path, args: list[str]):
+        out.mkdir(parents=True, exist_ok=True)
+        stamp = time.time_ns()
+        self.console_path, self.log_path = out / f"console_{stamp}.txt", out / f"log_{stamp}.txt"
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MEGARL_LOG_LEVEL="DEBUG")
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                   "launchers/train_ppo.py", *map(str, args)]
+        with open(self.console_path, "w") as stdout, open(self.log_path, "w") as stderr:
+            self.agent = subprocess.Popen(command, cwd=ROOT, env=env, stdout=stdout, stderr=stderr)
+
+    def console(self) -> str:
+        return self.console_path.read_text()
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def phase_began(self, step: int, phase: str) -> bool:
+        return f"step {step}: {phase} phase begins" in self.log()
+
+    def finish(self, timeout: float = 400) -> None:
+        self.agent.wait(timeout=timeout)
+        assert self.agent.returncode == 0, f"exit {self.agent.returncode}\n{self.console()[-3000:]}\n{self.log()[-8000:]}"
+
+    def wait_for(self, moment, timeout: float = 300) -> None:
+        deadline = time.time() + timeout
+        while not moment():
+            assert self.agent.poll() is None, f"the job ended before the moment to kill it\n{self.log()[-3000:]}"
+            assert time.time() < deadline, "timed out waiting for the moment to kill"
+            time.sleep(0.005)
+
+    def processes(self) -> list[psutil.Process]:
+        """The agent and every process below it."""
+        agent = psutil.Process(self.agent.pid)
+        return [agent, *agent.children(recursive=True)]
+
+    def crash(self) -> None:
+        """What a crash of the machine does to the job: every process dies at once. They are frozen
+        (SIGSTOP) first and listed again until the list is stable, so that none starts another
+        between the listing and the kill."""
+        frozen: set[psutil.Process] = set()
+        while new := set(self.processes()) - frozen:
+            for process in new:
+                _ignore_gone(process.suspend)
+            frozen |= new
+        for process in frozen:
+            _ignore_gone(process.kill)
+        self.agent.wait()
+        _, alive = psutil.wait_procs(frozen, timeout=10)
+        assert not alive, alive
+
+
+def _ignore_gone(call):
+    try:
+        call()
+    except psutil.NoSuchProcess:
+        pass
+
+
+def _checkpoints(out: Path, job: Job) -> Path:
+    return out / "ckpt" / job.experiment
+
+
+def _latest_step(out: Path, job: Job) -> int:
+    latest = _checkpoints(out, job) / "latest"
+    return int(latest.read_text().removeprefix("global_step_")) if latest.is_file() else 0
+
+
+def _metrics(out: Path, job: Job) -> dict[str, dict[int, float]]:
+    """The last value logged at each step of every metric that does not measure time (a resumed
+    job logs the steps after its checkpoint again)."""
+    client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{out}/{job.experiment}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name(job.experiment).experiment_id])
     assert len(runs) == 1, "a resumed job must continue its mlflow run"
+    names = [name for name in runs[0].data.metrics if not name.startswith(WALL_CLOCK)]
     return {name: {m.step: m.value for m in sorted(client.get_metric_history(runs[0].info.run_id, name),
-                                                    key=lambda m: m.timestamp)} for name in METRICS}
+                                                    key=lambda m: m.timestamp)} for name in names}
 
 
-def _start(*args) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "launchers/train_ppo.py", *map(str, args)]
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+def _adam_steps(out: Path, job: Job, engine: str) -> set[float]:
+    """The Adam step counts the final checkpoint saved for `engine` (one per param group)."""
+    common = torch.load(_checkpoints(out, job) / f"global_step_{TOTAL_STEPS}" / engine / "common.pt",
+                        weights_only=True)
+    return {group["step"] for group in common["optimizer"]["optimizer"]["param_groups"]}
 
 
-def _kill_when(process: subprocess.Popen, condition, timeout: float = 300) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        assert process.poll() is None, "the run ended before the moment to kill it"
-        assert time.time() < deadline, "timed out waiting for the moment to kill"
-        time.sleep(0.005)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+def _assert_resumed(launch: Launch, loaded: int, finished: bool) -> None:
+    """The job loaded checkpoint `loaded` and trained (and logged) the steps after it."""
+    console = launch.console()
+    assert re.search(rf"resumed from \S+/global_step_{loaded} \(step {loaded}\)", console), console[-2000:]
+    logged = [int(step) for step in re.findall(r"^step (\d+): ", console, flags=re.MULTILINE)]
+    expected = list(range(loaded + 1, TOTAL_STEPS + 1))
+    assert logged == expected if finished else logged == expected[: len(logged)], (logged, loaded)
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tiny_models, arithmetic, tmp_path_factory):
-    out = tmp_path_factory.mktemp("uninterrupted")
-    assert_succeeded(torchrun(2, ROOT / "launchers/train_ppo.py", *_args(tiny_models["qwen2-tied"], arithmetic, out)))
-    metrics = _metrics(out)
-    assert sorted(metrics["actor/pg_loss"]) == [1, 2, 3, 4]
-    assert len(set(metrics["actor/grad_norm"].values())) > 1  # the weights really move
-    return metrics
+def uninterrupted(tiny_models, arithmetic, tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+    """One uninterrupted run per job: its output directory and its metrics."""
+    results = {}
+    for name, job in JOBS.items():
+        out = tmp_path_factory.mktemp(f"uninterrupted_{name}")
+        Launch(out, _args(job, tiny_models["qwen2-tied"], arithmetic, out)).finish()
+        metrics = _metrics(out, job)
+        assert sorted(metrics["actor/pg_loss"]) == list(range(1, TOTAL_STEPS + 1))
+        assert len(set(metrics["actor/grad_norm"].values())) > 1  # the weights really move
+        results[name] = out, metrics
+    return results
 
 
-@pytest.mark.parametrize("async_save", ["false", "true"])
-def test_sigkill_during_training_then_auto_resume_is_bitwise_identical(tiny_models, arithmetic, tmp_path,
-                                                                       uninterrupted, async_save):
-    # With async saves the shards are written by background processes while step 3 trains.
-    args = _args(tiny_models["qwen2-tied"], arithmetic, tmp_path, f"trainer.async_save={async_save}")
-    checkpoints = tmp_path / "ckpt/quickstart_grpo"
-    process = _start(*args)
-    _kill_when(process, lambda: (checkpoints / "latest").is_file()
-               and (checkpoints / "latest").read_text() == "global_step_2")
-    assert not (checkpoints / "global_step_4").exists()
-    assert_succeeded(torchrun(2, ROOT / "launchers/train_ppo.py", *args))
-    assert _metrics(tmp_path) == uninterrupted
+def _kill_moments(name: str, checkpoints: Path) -> list:
+    """GRPO-DP2 is killed during a rollout, then during a save; PPO-TP2 during an actor update,
+    then during an asynchronous save (its shards still being written while the next step trains)."""
+    if name == "grpo_dp2":
+        return [lambda launch: launch.phase_began(2, "rollout"),
+                lambda launch: (checkpoints / ".global_step_3.partial").is_dir()]
+
+    def async_save_in_flight(launch):
+        saving = [int(re.sub(r"\D", "", path.name)) for path in checkpoints.glob(".global_step_*.partial")]
+        return any(launch.phase_began(step + 1, "rollout") for step in saving)
+
+    # Step 3: the save of step 2 waited for that of step 1, so there is a checkpoint to resume from.
+    return [lambda launch: launch.phase_began(3, "update_actor"), async_save_in_flight]
 
 
-def test_sigkill_during_a_save_leaves_no_checkpoint_that_looks_complete(tiny_models, arithmetic, tmp_path,
-                                                                        uninterrupted):
-    args = _args(tiny_models["qwen2-tied"], arithmetic, tmp_path)
-    checkpoints = tmp_path / "ckpt/quickstart_grpo"
-    process = _start(*args)
-    _kill_when(process, lambda: (checkpoints / ".global_step_3.partial").is_dir())
-    assert not (checkpoints / "global_step_3").exists()
-    assert_succeeded(torchrun(2, ROOT / "launchers/train_ppo.py", *args))
-    assert _metrics(tmp_path) == uninterrupted
+@pytest.mark.parametrize("name", JOBS)
+def test_a_job_killed_twice_resumes_bitwise(tiny_models, arithmetic, tmp_path, uninterrupted, name):
+    job = JOBS[name]
+    async_save = "true" if name == "ppo_tp2" else "false"
+    args = _args(job, tiny_models["qwen2-tied"], arithmetic, tmp_path, f"trainer.async_save={async_save}")
+    checkpoints = _checkpoints(tmp_path, job)
+    launch, loaded = Launch(tmp_path, args), None
+    for moment in _kill_moments(name, checkpoints):
+        launch.wait_for(lambda: moment(launch))
+        launch.crash()
+        if loaded is not None:
+            _assert_resumed(launch, loaded, finished=False)
+        loaded = _latest_step(tmp_path, job)
+        assert 0 < loaded < TOTAL_STEPS, f"nothing to resume from, or nothing left to train ({loaded})"
+        launch = Launch(tmp_path, args)
+    launch.finish()
+    _assert_resumed(launch, loaded, finished=True)
+    assert _metrics(tmp_path, job) == uninterrupted[name][1]
+    for engine in job.engines:
+        assert _adam_steps(tmp_path, job, engine) == {float(TOTAL_STEPS * TRAIN_BATCH_SIZE // MINI_BATCH_SIZE)}
 
 
-def test_saved_at_tp2_resumes_at_pp2(tiny_models, arithmetic, tmp_path, uninterrupted):
-    model = tiny_models["qwen2-tied"]
-    assert_succeeded(torchrun(2, ROOT / "launchers/train_ppo.py",
-                              *_args(model, arithmetic, tmp_path, "actor.tp=2", "trainer.total_steps=2")))
-    assert_succeeded(torchrun(2, ROOT / "launchers/train_ppo.py", *_args(model, arithmetic, tmp_path, "actor.pp=2")))
-    resumed = _metrics(tmp_path)
+@pytest.mark.parametrize(("name", "layout"), [("grpo_dp2", "actor.tp=2"), ("grpo_dp2", "actor.pp=2"),
+                                              ("ppo_tp2", "actor.tp=1 actor.pp=2")])
+def test_a_checkpoint_resumes_at_another_layout(tiny_models, arithmetic, tmp_path, uninterrupted, name, layout):
+    """The uninterrupted run's checkpoint of step 2 (DP2 or TP2), resumed at TP2 or PP2 (TP1)."""
+    job = JOBS[name]
+    reference_out, reference = uninterrupted[name]
+    shutil.copytree(_checkpoints(reference_out, job) / "global_step_2", _checkpoints(tmp_path, job) / "global_step_2")
+    shutil.copytree(reference_out / job.experiment, tmp_path / job.experiment,
+                    ignore=shutil.ignore_patterns("*.png", "config.yaml"))  # the mlflow run the job continues
+    launch = Launch(tmp_path, _args(job, tiny_models["qwen2-tied"], arithmetic, tmp_path, *layout.split(),
+                                    "trainer.resume_mode=path",
+                                    f"trainer.resume_path={_checkpoints(tmp_path, job) / 'global_step_2'}"))
+    launch.finish()
+    _assert_resumed(launch, 2, finished=True)
+    resumed = _metrics(tmp_path, job)
     # The same weights generate the same responses; losses differ only by fp32 reduction order.
-    assert resumed["reward/mean"] == uninterrupted["reward/mean"]
-    for name in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
-        for step, value in uninterrupted[name].items():
-            assert resumed[name][step] == pytest.approx(value, abs=1e-4), (name, step)
+    assert resumed["reward/mean"] == reference["reward/mean"]
+    for metric in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", *(("critic/vf_loss",) if "critic" in
+                                                                           job.engines else ())):
+        for step, value in reference[metric].items():
+            assert resumed[metric][step] == pytest.approx(value, abs=1e-4), (metric, step)
+
+
+def test_workers_die_with_their_agent(tiny_models, arithmetic, tmp_path):
+    job = JOBS["grpo_dp2"]
+    launch = Launch(tmp_path, _args(job, tiny_models["qwen2-tied"], arithmetic, tmp_path))
+    launch.wait_for(lambda: launch.phase_began(1, "rollout"))
+    workers = launch.processes()[1:]
+    assert len(workers) >= 2
+    try:
+        os.kill(launch.agent.pid, signal.SIGKILL)
+        launch.agent.wait()
+        _, alive = psutil.wait_procs(workers, timeout=5)
+        assert not alive, f"outlived their agent: {[p.cmdline()[-3:] for p in alive]}"
+        time.sleep(3)
+        assert not list(_checkpoints(tmp_path, job).glob("*global_step_*"))
+    finally:
+        for process in workers:
+            _ignore_gone(process.kill)

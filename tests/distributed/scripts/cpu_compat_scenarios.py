@@ -27,6 +27,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32  # noqa: E402
 
+from megarl.checkpoint.optimizer_state import initialize_optimizer_state, sharded_optimizer_state  # noqa: E402
 from megarl.distributed import init_layout  # noqa: E402
 from megarl.engine.forward import forward_outputs  # noqa: E402
 from megarl.models.architecture import architecture_from_hf, read_hf_config  # noqa: E402
@@ -70,16 +71,35 @@ def clip_grads_type():
 
 
 def optimizer_type():
+    distributed_optimizer()
+
+
+def distributed_optimizer():
     layout = init_layout(tp=1)  # DP=2: the distributed optimizer shards the state over both ranks
     model = build_model(arch, layout)
     ddp = DistributedDataParallel(
         model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model
     )
-    get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True), [ddp])
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True), [ddp]
+    )
+    return model, optimizer
+
+
+def optimizer_gather_cuda():
+    model, optimizer = distributed_optimizer()
+    initialize_optimizer_state(optimizer)
+    for state in optimizer.chained_optimizers[0].optimizer.state.values():
+        state["exp_avg"].fill_(dist.get_rank() + 1.0)  # this rank's shard of the state
+    saved = sharded_optimizer_state(optimizer, model.sharded_state_dict(), is_loading=False)["param_state"]
+    # Gathered over both DP ranks: every parameter's whole state, in the parameter's own shape.
+    assert sorted(s["exp_avg"].data.shape for s in saved.values()) == sorted(p.shape for p in model.parameters())
+    gathered = torch.cat([s["exp_avg"].data.flatten() for s in saved.values()])
+    assert set(gathered.unique().tolist()) == {1.0, 2.0}
 
 
 SCENARIOS = {f.__name__: f for f in (rng_tracker, current_device, cuda_factories, synchronize, tensor_cuda,
-                                     clip_grads_type, optimizer_type)}
+                                     clip_grads_type, optimizer_type, optimizer_gather_cuda)}
 assert set(SCENARIOS) == {bridge.name for bridge in cpu_compat.BRIDGES}
 
 failed = False

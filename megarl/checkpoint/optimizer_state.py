@@ -1,0 +1,80 @@
+"""Optimizer state in checkpoints: a layout-independent format, and loading it exactly.
+
+Format: megatron's distributed optimizer saves its state in `fully_reshardable` form, i.e. per model
+parameter (`optimizer.state.{param,exp_avg,exp_avg_sq}.<parameter key>`), sharded like the
+parameter itself, so a checkpoint saved at any TP x PP x DP loads at any other. (Its
+`dp_reshardable` form follows the optimizer's internal DP buckets and reshards over DP only.)
+
+Loading: megatron-core 0.16.1's distributed optimizer without Apex/Transformer Engine (torch's Adam,
+which keeps a `step` tensor per parameter) has two defects that we correct here, where we load:
+- it gives every parameter's state the *same* `step` tensor; torch's Adam increments each
+  parameter's `step` in place, so the shared counter advances once per parameter per optimizer step
+  and bias correction is wrong from the first step after a resume;
+- its per-parameter loaders copy every key of the live state, `step` included, from the loaded
+  tensors, which hold no `step`: the load fails with KeyError 'step'.
+With Transformer Engine or Apex (FusedAdam keeps one step per param group) neither applies and the
+code below leaves the state as megatron loaded it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def chained(optimizer) -> list:
+    """The megatron optimizers inside `optimizer` (a ChainedOptimizer or a single one)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def sharded_optimizer_state(optimizer, model_sharded_state: dict, is_loading: bool) -> dict:
+    return optimizer.sharded_state_dict(model_sharded_state, is_loading=is_loading, metadata=OPTIMIZER_FORMAT)
+
+
+def initialize_optimizer_state(optimizer) -> None:
+    """Create (zero) Adam state before loading into it: the optimizer only creates state at its first
+    step, and without Apex/TE megatron's distributed optimizer also needs each state's `step`."""
+    for part in chained(optimizer):
+        if part.init_state_fn is not None:
+            part.init_state_fn(part.optimizer, part.config)
+        for state in part.optimizer.state.values():
+            state.setdefault("step", torch.tensor(0.0))
+
+
+def load_optimizer_state(optimizer, loaded: dict) -> None:
+    """Load what `dist_checkpointing.load` returned for `sharded_optimizer_state(..., is_loading=True)`."""
+    parts = chained(optimizer)
+    states = [loaded] if len(parts) == 1 else [loaded[index] for index in sorted(loaded)]
+    for part, state in zip(parts, states):
+        if "param_state" not in state:  # not a distributed optimizer: megatron's own load is exact
+            part.load_state_dict(state)
+            continue
+        param_state = state.pop("param_state")
+        part.load_state_dict(state)  # hyper-parameters and the step count (one tensor for all parameters)
+        inner = part.optimizer.state
+        steps = {param: inner[param].pop("step") for param in list(inner) if "step" in inner[param]}
+        assert state["param_state_sharding_type"] == OPTIMIZER_FORMAT["distrib_optim_sharding_type"], state
+        part.load_parameter_state_from_fully_reshardable(param_state)
+        for param, step in steps.items():
+            inner[param]["step"] = step.clone()  # one counter per parameter, as torch's Adam expects
+
+
+def step_counts(optimizer) -> set[float]:
+    """The step counts this rank's optimizer state holds: per parameter (torch's Adam) or per param
+    group (Apex/TE FusedAdam)."""
+    counts = set()
+    for part in chained(optimizer):
+        per_parameter = [float(s["step"]) for s in part.optimizer.state.values() if "step" in s]
+        counts.update(per_parameter or (float(g["step"]) for g in part.optimizer.param_groups
+                                        if g["params"] and "step" in g))
+    return counts
+
+
+def check_step_counts(optimizer, taken: int, where) -> None:
+    """Every parameter's Adam step equals the number of optimizer steps `taken` (the LR scheduler's
+    count). fp16 loss scaling skips the steps whose gradients overflowed, so there it may be lower."""
+    counts = step_counts(optimizer)
+    may_skip = any(part.config.fp16 for part in chained(optimizer))
+    exact = counts <= {taken} or (may_skip and len(counts) == 1 and max(counts) <= taken)
+    assert exact, f"{where}: after loading, the optimizer counts {sorted(counts)} steps; {taken} were taken"
