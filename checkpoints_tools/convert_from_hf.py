@@ -11,16 +11,15 @@ convert_to_hf.py, or load its weights at any layout.
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from pathlib import Path
 
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
-from megarl.checkpoint.directory import partial_dir, publish, write_manifest
+from megarl.checkpoint.staging import begin, finish
 from megarl.distributed import init_layout
-from megarl.models.hf_interop import copy_hf_files, load_hf_model
+from megarl.models.hf_interop import load_hf_model
 
 
 def main(argv=None) -> int:
@@ -34,19 +33,11 @@ def main(argv=None) -> int:
     layout = init_layout(tp=args.tp, pp=args.pp)
     root, source = Path(args.output), Path(args.hf)
     model, _ = load_hf_model(args.hf, layout)
-    staging = partial_dir(root, 0)
-    if dist.get_rank() == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        (staging / "actor").mkdir(parents=True)
-        (staging / "hf").mkdir()
-        copy_hf_files(source, staging / "hf")
-    dist.barrier()
+    staging = begin(root, 0, ["actor"])
     dist_checkpointing.save({"model": model.sharded_state_dict()}, str(staging / "actor"))
-    dist.barrier()
+    published = finish(root, 0, source)
     if dist.get_rank() == 0:
-        write_manifest(staging, 0)
-        print(f"wrote {publish(root, 0)} from {layout}", flush=True)
-    dist.barrier()
+        print(f"wrote {published} from {layout}", flush=True)
     dist.destroy_process_group()
     return 0
 

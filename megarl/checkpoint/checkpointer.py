@@ -31,12 +31,9 @@ from megarl import device
 from megarl.checkpoint.directory import (
     CheckpointError,
     complete_checkpoints,
-    partial_dir,
     problem_with,
-    publish,
     remove_oldest,
     step_dirs,
-    write_manifest,
 )
 from megarl.checkpoint.optimizer_state import (
     check_step_counts,
@@ -44,7 +41,7 @@ from megarl.checkpoint.optimizer_state import (
     load_optimizer_state,
     sharded_optimizer_state,
 )
-from megarl.models.hf_interop import copy_hf_files
+from megarl.checkpoint.staging import begin, finish
 
 
 def sharded_state(engine, is_loading: bool) -> dict:
@@ -115,12 +112,7 @@ class Checkpointer:
         in flight at a time. Everything the checkpoint records is captured now, at `step`."""
         self.wait()
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        staging = partial_dir(self.root, step)
-        if rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-            for sub in (*engines, "rng", "hf"):
-                (staging / sub).mkdir(parents=True)
-        dist.barrier()
+        staging = begin(self.root, step, [*engines, "rng"])
         torch.save(rng_state(), staging / "rng" / f"rank_{rank}.pt")
         state = dict(trainer_state, step=step, world_size=world_size,
                      schedulers={n: e.scheduler.state_dict() for n, e in engines.items()})
@@ -128,8 +120,8 @@ class Checkpointer:
                                             async_sharded_save=self.async_save)
                     for name, engine in engines.items()]
         if not self.async_save:
-            return self._publish(staging, state)
-        requests[-1].add_finalize_fn(lambda: self._publish(staging, state))
+            return self._publish(state)
+        requests[-1].add_finalize_fn(lambda: self._publish(state))
         for request in requests:
             self.queue.schedule_async_request(request)
 
@@ -143,16 +135,14 @@ class Checkpointer:
         if self.async_save:
             self.queue.maybe_finalize_async_calls(blocking=True)
 
-    def _publish(self, staging: Path, state: dict) -> None:
-        dist.barrier()  # every rank's shards are on disk
-        if dist.get_rank() == 0:
+    def _publish(self, state: dict) -> None:
+        def write_files(staging: Path) -> None:
             (staging / "trainer_state.json").write_text(json.dumps(state, indent=1))
-            copy_hf_files(self.hf_source, staging / "hf")
             shutil.copy(self.config_file, staging / "config.yaml")
-            write_manifest(staging, state["step"])
-            publish(self.root, state["step"])
+
+        finish(self.root, state["step"], self.hf_source, write_files)
+        if dist.get_rank() == 0:
             remove_oldest(self.root, self.max_to_keep)
-        dist.barrier()
 
     @torch.no_grad()
     def load(self, directory: Path, engines: dict) -> dict:
