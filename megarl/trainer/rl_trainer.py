@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from statistics import mean
 
 import torch
 from transformers import AutoTokenizer
@@ -38,6 +37,7 @@ from megarl.tracking import Tracker
 from megarl.trainer.contract import check_batch
 from megarl.trainer.curves import plot_curves
 from megarl.trainer.losses import actor_loss, critic_loss
+from megarl.trainer.metrics import batch_metrics, rollout_metrics, sync_metrics, update_metrics
 from megarl.trainer.rollouts import Rollouts, collect_rollouts
 from megarl.trainer.scores import first_groups, informative, reward_model_scores, sequence_rewards
 from megarl.trainer.startup import Run
@@ -202,8 +202,11 @@ class RLTrainer:
                 critic_history, _ = self.critic.update(batch, critic_loss(self.config.critic), self.config.rollout.n,
                                                        self.config.trainer.seed, step)
         self.rollout.wake_up()
-        return self._metrics(step, batch, rollouts, scores, scored, sync, rounds, timer, advantage_metrics,
-                             actor_history, critic_history)
+        tensors = batch.response_tensors
+        return {**rollout_metrics(rollouts, batch, scores, rounds), **sync_metrics(sync), **advantage_metrics,
+                **rollout_mismatch_metrics(tensors["old_logprobs"], tensors["rollout_logprobs"], batch.response_mask_BR),
+                **update_metrics("actor", actor_history), **update_metrics("critic", critic_history),
+                **batch_metrics(batch, scored["entropy"], sum(timer.seconds.values())), **timer.metrics()}
 
     def _generate_training_rollouts(self, step: int) -> tuple[Rollouts, int]:
         """A batch of prompts; with DAPO's group filtering, more prompts until the batch is full of
@@ -269,36 +272,6 @@ class RLTrainer:
     def _check(self, batch, phase: str, required: tuple[str, ...]) -> None:
         if self.config.trainer.check_batches:
             check_batch(phase, batch, self.actor.arch.vocab_size, required)
-
-    def _metrics(self, step, batch, rollouts, scores, scored, sync, rounds, timer, advantage_metrics,
-                 actor_history, critic_history) -> dict[str, float]:
-        lengths = batch.response_lengths_B.float()
-        mask_BR = batch.response_mask_BR
-        tokens = int(batch.sequence_lengths_B.sum())
-        metrics = {
-            "reward/mean": float(scores.mean()), "reward/max": float(scores.max()), "reward/min": float(scores.min()),
-            "reward/function_mean": mean(rollouts.scores),  # before the reward model's score is added
-            "reward/errors": float(rollouts.num_reward_errors), "reward/timeouts": float(rollouts.num_reward_timeouts),
-            "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
-            "response_length/clip_ratio": mean(r == "length" for r in rollouts.finish_reasons),
-            "rollout/entropy": float((scored["entropy"] * mask_BR).sum() / mask_BR.sum()),
-            "rollout/filter_rounds": float(rounds),
-            "sync/seconds": sync.seconds, "sync/bytes_received": float(sync.bytes_received),
-            "sync/bytes_over_lower_bound": sync.bytes_received / max(sync.lower_bound, 1),
-            "throughput/tokens_per_s": tokens / max(sum(timer.seconds.values()), 1e-9),
-            **advantage_metrics,
-            **rollout_mismatch_metrics(batch.response_tensors["old_logprobs"],
-                                       batch.response_tensors["rollout_logprobs"], mask_BR),
-            **timer.metrics(),
-        }
-        for key, values in rollouts.score_extras.items():
-            finite = [v for v in values if not math.isnan(v)]
-            if finite:
-                metrics[f"reward/{key}"] = mean(finite)
-        for prefix, history in (("actor", actor_history), ("critic", critic_history)):
-            for key in history[0] if history else ():
-                metrics[key if "/" in key else f"{prefix}/{key}"] = mean(h[key] for h in history)
-        return metrics
 
     def validate(self, step: int) -> dict[str, float]:
         """Validation of the weights as they are now: synced first, because after a step the engine

@@ -1,0 +1,45 @@
+"""Step metrics: each source's numbers against values computed by hand."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megarl.data.dataset import Prompt
+from megarl.engine.batch import SequenceBatch
+from megarl.resharding.executor import SyncStats
+from megarl.trainer.metrics import batch_metrics, rollout_metrics, sync_metrics, update_metrics
+from megarl.trainer.rollouts import Rollouts
+
+
+def _rollouts() -> tuple[Rollouts, SequenceBatch]:
+    prompt = Prompt([7, 8], "arithmetic", "3", {}, 0)
+    rollouts = Rollouts(prompts=[prompt] * 3, group_ids=[0, 0, 0], response_ids=[[1], [1, 2, 3], [4, 5]],
+                        rollout_logprobs=[[-1.0], [-1.0] * 3, [-1.0] * 2], finish_reasons=["stop", "length", "stop"],
+                        scores=[1.0, 0.0, 0.5], score_extras={"acc": [1.0, math.nan, 0.0]}, num_reward_errors=1)
+    return rollouts, rollouts.to_batch(pad_token_id=0)
+
+
+def test_rollout_metrics_by_hand():
+    rollouts, batch = _rollouts()
+    metrics = rollout_metrics(rollouts, batch, torch.tensor([1.5, 0.5, 1.0]), rounds=2)
+    assert metrics["reward/mean"] == 1.0 and metrics["reward/max"] == 1.5 and metrics["reward/min"] == 0.5
+    assert metrics["reward/function_mean"] == 0.5 and metrics["reward/errors"] == 1.0
+    assert metrics["response_length/mean"] == 2.0 and metrics["response_length/max"] == 3.0
+    assert metrics["response_length/clip_ratio"] == 1 / 3 and metrics["rollout/filter_rounds"] == 2.0
+    assert metrics["reward/acc"] == 0.5  # the NaN of a reward call without that extra is left out
+
+
+def test_sync_update_and_batch_metrics_by_hand():
+    sync = SyncStats(seconds=0.5, load_seconds=0.1, bytes_received=300, bytes_sent=0, lower_bound=200,
+                     peak_extra_bytes=0)
+    assert sync_metrics(sync) == {"sync/seconds": 0.5, "sync/bytes_received": 300.0, "sync/bytes_over_lower_bound": 1.5}
+    history = [{"pg_loss": 1.0, "mismatch/x": 2.0}, {"pg_loss": 3.0, "mismatch/x": 4.0}]
+    assert update_metrics("actor", history) == {"actor/pg_loss": 2.0, "mismatch/x": 3.0}
+    assert update_metrics("critic", []) == {}
+    _, batch = _rollouts()
+    entropy_BR = torch.tensor([[1.0, 9.0, 9.0], [2.0, 2.0, 2.0], [4.0, 4.0, 9.0]])  # 9s sit in the padding
+    metrics = batch_metrics(batch, entropy_BR, seconds=2.0)
+    assert metrics["rollout/entropy"] == (1 + 6 + 8) / 6
+    assert metrics["throughput/tokens_per_s"] == (3 + 5 + 4) / 2.0
