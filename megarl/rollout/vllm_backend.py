@@ -5,7 +5,8 @@ it must be created after ours. Creating it has process-wide side effects that we
 the python/numpy/torch RNGs, replaces `torch.set_num_threads` with a no-op and freezes the GC.
 Logprobs are the *processed* ones (after temperature), the distribution tokens were sampled from.
 Responses come back as token ids only (no detokenization: the trainer decodes once, for rewards).
-On GPU the engine sleeps while the trainer runs (KV cache and weights freed) and wakes for sync.
+On GPU the engine sleeps while the trainer runs (KV cache and weights freed); the trainer wakes
+its weights before a sync and its KV cache after it.
 """
 
 from __future__ import annotations
@@ -87,8 +88,6 @@ class VLLMRollout:
 
     def begin_weight_update(self, step: int) -> None:
         self.guard.begin(step)
-        if torch.cuda.is_available():
-            self.llm.wake_up(tags=["weights"])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         try:
@@ -99,8 +98,6 @@ class VLLMRollout:
 
     def end_weight_update(self) -> None:
         self.llm.collective_rpc(_refresh_lm_head)
-        if torch.cuda.is_available():
-            self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         self.guard.end()
 
@@ -116,9 +113,9 @@ class VLLMRollout:
         if torch.cuda.is_available():
             self.llm.sleep(level=2)  # weights are overwritten by the next sync: drop them too
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: tuple[str, ...]) -> None:
         if torch.cuda.is_available():
-            self.llm.wake_up()
+            self.llm.wake_up(tags=list(tags))
 
 
 def _refresh_lm_head(worker) -> None:

@@ -5,6 +5,13 @@
 Models: the actor (trained), an optional reference (KL), an optional critic (GAE) and an optional
 reward model, all megatron-core models on the actor's layout, and one colocated rollout engine
 per TP_r ranks. Every rank holds the whole batch of the step; the engines split work over DP.
+
+Memory is shared in time. Between phases the rollout engine sleeps and the Megatron models are
+resident. Before a rollout, the models with `offload` leave the device (the actor's parameters
+last, after the sync has read them), the engine's weights wake before the sync and its KV cache
+after it; after the rollout the engine sleeps and the models come back. The engine itself is
+created while the models are offloaded, so vLLM's memory check and KV-cache budget see the memory
+a rollout will have.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from megarl.config.schema import EngineConfig
 from megarl.data.dataset import PromptDataset
 from megarl.data.sampler import ResumableSampler
 from megarl.engine.megatron_engine import MegatronEngine
-from megarl.resharding.executor import WeightSync
+from megarl.resharding.executor import SyncStats, WeightSync
 from megarl.rewards import RewardManager, compute_score, load_function, token_level_scores
 from megarl.rollout import ROLLOUT_BACKENDS, Sampling
 from megarl.tracking import Tracker
@@ -110,14 +117,47 @@ class RLTrainer:
 
     def _rollout_engine(self):
         """The engine starts with dummy weights: every generation follows a sync from the actor, so
-        reading the checkpoint's weights a second time (minutes for a large model) would be wasted."""
+        reading the checkpoint's weights a second time (minutes for a large model) would be wasted.
+        It is created while the models are offloaded (vLLM sizes its KV cache from the free memory
+        it sees then) and put to sleep before they return."""
         rollout, data = self.config.rollout, self.config.data
         backend = ROLLOUT_BACKENDS.get(rollout.backend)
-        return backend(self.config.model.path, dtype=self.config.model.dtype, tensor_parallel_size=rollout.tp,
-                       max_model_len=data.max_prompt_length + data.max_response_length,
-                       kv_cache_bytes=rollout.kv_cache_mib << 20,
-                       gpu_memory_utilization=rollout.gpu_memory_utilization, seed=self.config.trainer.seed,
-                       dummy_weights=True)
+        for model in self._offloading():
+            model.memory.offload()
+        engine = backend(self.config.model.path, dtype=self.config.model.dtype, tensor_parallel_size=rollout.tp,
+                         max_model_len=data.max_prompt_length + data.max_response_length,
+                         kv_cache_bytes=rollout.kv_cache_mib << 20,
+                         gpu_memory_utilization=rollout.gpu_memory_utilization, seed=self.config.trainer.seed,
+                         dummy_weights=True)
+        engine.sleep()
+        for model in self._offloading():
+            model.memory.reload()
+        return engine
+
+    def _offloading(self) -> list[MegatronEngine]:
+        """The models that leave the device during rollouts (the reference follows `actor.offload`)."""
+        return [engine for engine in (self.actor, self.reference, self.critic)
+                if engine is not None and engine.config.offload]
+
+    def _enter_rollout(self, step: int, timer: PhaseTimer) -> SyncStats:
+        """Trainer out, engine in, each part into the memory the previous one freed."""
+        with timer("offload"):
+            for engine in self._offloading():
+                engine.memory.offload(keep_params=engine is self.actor)  # the sync reads them
+        with timer("reshard"):
+            self.rollout.wake_up(("weights",))
+            sync = self.sync.sync(step)
+        with timer("offload"):
+            if self.actor.config.offload:
+                self.actor.memory.offload()
+            self.rollout.wake_up(("kv_cache",))
+        return sync
+
+    def _leave_rollout(self, timer: PhaseTimer) -> None:
+        with timer("reload"):
+            self.rollout.sleep()
+            for engine in self._offloading():
+                engine.memory.reload()
 
     def _sampling(self, step: int, validation: bool) -> Sampling:
         rollout = self.config.rollout
@@ -158,13 +198,12 @@ class RLTrainer:
 
     def step(self, step: int) -> dict[str, float]:
         timer = PhaseTimer()
-        with timer("reshard"):
-            sync = self.sync.sync(step)
+        sync = self._enter_rollout(step, timer)
         with timer("rollout"):
             rollouts, rounds = self._generate_training_rollouts(step)
             baseline_B = (self._greedy_baseline(rollouts, step)
                           if self.config.algorithm.adv_estimator in NEEDS_GREEDY_BASELINE else None)
-        self.rollout.sleep()
+        self._leave_rollout(timer)
         batch = rollouts.to_batch(self.pad_token_id)
         self._check(batch, "rollout", ("rollout_logprobs",))
         temperature = self.config.rollout.temperature
@@ -199,7 +238,6 @@ class RLTrainer:
             with timer("update_critic"):
                 critic_history, _ = self.critic.update(batch, critic_loss(self.config.critic), self.config.rollout.n,
                                                        seed=step)
-        self.rollout.wake_up()
         return self._metrics(step, batch, rollouts, scores, scored, sync, rounds, timer, advantage_metrics,
                              actor_history, critic_history)
 
@@ -305,10 +343,12 @@ class RLTrainer:
     def validate(self, step: int) -> dict[str, float]:
         """Validation of the weights as they are now: synced first, because after a step the engine
         still holds the weights that step started from (a checkpoint of `step` holds the updated ones)."""
-        self.sync.sync(step)
+        timer = PhaseTimer()
+        self._enter_rollout(step, timer)
         limit = self.config.data.max_val_samples or len(self.val_data)
         prompts = [self.val_data[i] for i in range(min(limit, len(self.val_data)))]
         rollouts = collect_rollouts(prompts, self.rollout, self._sampling(0, validation=True), self.config.rollout.tp,
                                     self.tokenizer, self.rewards)
+        self._leave_rollout(timer)
         return validation_metrics(rollouts, self.config.rollout.val_n)
 

@@ -89,7 +89,7 @@ metrics, before_step = policy.train_mini_batch(batch, nll_with_entropy_bonus, te
 report["kept_outputs_vs_score"] = max_diff(before_step, scores)  # the trainer's old log-probs, for free
 export_hf(policy.module, policy.arch, layout, args.out, args.policy)
 report.update(metrics)
-report["offload_bytes"] = policy.memory.offload()  # on CPU: what would move
+report["offload_bytes"] = policy.memory.offload()  # device bytes freed, per category
 report["param_count"] = sum(p.numel() for p in policy.module.parameters())
 if dist.get_rank() == 0:
     print("REPORT " + json.dumps(report), flush=True)
