@@ -24,21 +24,25 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch.distributed as dist
-from transformers import AutoTokenizer
+from megarl.tracking.console import quiet_third_party_logs
 
-from megarl.checkpoint.model_loading import load_model, model_problem
-from megarl.config.schema import RolloutConfig
-from megarl.data.dataset import PromptDataset, load_rows, write_rows
-from megarl.distributed import init_layout
-from megarl.distributed.launch import init_process_group
-from megarl.doctor import MissingFeature, require
-from megarl.resharding.executor import WeightSync
-from megarl.rewards import RewardManager, load_scoring_function
-from megarl.rollout import ROLLOUT_BACKENDS, RolloutEngine, Sampling
-from megarl.seeding import derive_seed
-from megarl.trainer.rollouts import Rollouts, collect_rollouts
-from megarl.trainer.startup import exit_on_user_error
+quiet_third_party_logs()  # before the libraries are imported: some warn or log while importing
+import torch.distributed as dist  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from megarl.checkpoint.model_loading import load_model, model_problem  # noqa: E402
+from megarl.config.schema import RolloutConfig  # noqa: E402
+from megarl.data.dataset import PromptDataset, load_rows, write_rows  # noqa: E402
+from megarl.distributed import init_layout  # noqa: E402
+from megarl.distributed.launch import init_process_group  # noqa: E402
+from megarl.doctor import MissingFeature, require  # noqa: E402
+from megarl.rewards import RewardManager, load_scoring_function  # noqa: E402
+from megarl.rollout import ROLLOUT_BACKENDS, RolloutEngine, Sampling  # noqa: E402
+from megarl.seeding import derive_seed  # noqa: E402
+from megarl.trainer.policy import EngineSettings, RolloutPolicy  # noqa: E402
+from megarl.trainer.rollouts import Rollouts, collect_rollouts  # noqa: E402
+from megarl.trainer.startup import exit_on_user_error  # noqa: E402
+from megarl.trainer.timing import PhaseTimer  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -90,24 +94,24 @@ def model_source(path: str) -> ModelSource:
     return ModelSource(directory / "hf", directory)
 
 
-def make_engine(args: argparse.Namespace, model_dir: Path, dummy_weights: bool) -> RolloutEngine:
-    return ROLLOUT_BACKENDS.get(args.backend)(
-        str(model_dir), dtype=args.dtype, tensor_parallel_size=args.engine_tp,
-        max_model_len=args.max_prompt_length + args.max_response_length, kv_cache_bytes=args.kv_cache_mib << 20,
-        gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, dummy_weights=dummy_weights)
-
-
 def start_engine(args: argparse.Namespace, model: ModelSource) -> RolloutEngine:
     """Join the torchrun world and start the rollout engine with the model's weights. A checkpoint's
-    actor gets the TP of the engine, so that every rank already holds the slices its engine rank needs."""
+    actor gets the TP of the engine, so that every rank already holds the slices its engine rank needs,
+    and is served as in training (`RolloutPolicy`)."""
     if model.checkpoint is None:
         init_process_group()
-        return make_engine(args, model.hf_dir, dummy_weights=False)
+        return ROLLOUT_BACKENDS.get(args.backend)(
+            str(model.hf_dir), dtype=args.dtype, tensor_parallel_size=args.engine_tp,
+            max_model_len=args.max_prompt_length + args.max_response_length, kv_cache_bytes=args.kv_cache_mib << 20,
+            gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, dummy_weights=False)
     layout = init_layout(tp=args.engine_tp)
     actor, arch = load_model(model.checkpoint, "actor", layout, args.dtype)
-    engine = make_engine(args, model.hf_dir, dummy_weights=True)  # created after megatron's groups, as in training
-    WeightSync(actor, arch, layout, engine, args.engine_tp, RolloutConfig.bucket_mib << 20).sync(step=0)
-    return engine
+    settings = EngineSettings(args.backend, str(model.hf_dir), args.dtype, args.engine_tp,
+                              args.max_prompt_length + args.max_response_length, args.kv_cache_mib << 20,
+                              args.gpu_memory_utilization, args.seed, RolloutConfig.bucket_mib << 20)
+    policy = RolloutPolicy(actor, arch, layout, settings)
+    policy.enter_rollout(step=0, timer=PhaseTimer(step=0))
+    return policy.engine
 
 
 def output_rows(rollouts: Rollouts, n: int, raw_rows: list[dict], tokenizer) -> list[dict]:

@@ -10,9 +10,9 @@ and never calls `torch.cuda.is_available()` itself. The policy:
   Transformer Engine layers (with packed THD micro-batches) when `transformer_engine.pytorch`
   imports (`import transformer_engine` alone succeeds even when its PyTorch extension failed to
   build); NVIDIA Apex's fused kernels (used by megatron-core itself); the Triton log-prob kernel.
-- **Memory sharing** needs a device memory to free: vLLM's sleep mode (weights and KV cache freed
-  while Megatron trains) and offloading Megatron's state to host during rollout are on with CUDA;
-  on CPU both are no-ops that only report what they would move.
+- **Memory sharing**: vLLM's sleep mode (weights and KV cache freed while Megatron trains) is on
+  with CUDA and a no-op on CPU. Offloading Megatron's state during rollouts (`actor.offload`) runs
+  the same code everywhere (`megarl.engine.memory`); on CPU host and device are one memory.
 
 Package probes are cached (a package does not appear mid-run); the CUDA answer is not, so tests
 patch this module's answers (`monkeypatch.setattr(device, "cuda", ...)`) or torch's.
@@ -99,7 +99,3 @@ def sleep_mode() -> bool:
     """The rollout engine frees its weights and KV cache while Megatron trains."""
     return cuda()
 
-
-def offload() -> bool:
-    """Megatron's parameters, gradients and optimizer state can move to host during rollout."""
-    return cuda()

@@ -163,8 +163,9 @@ def inspect_environment() -> Environment:
                      "NVIDIA Apex", APEX_BUILD),
         rollout,
         sleep,
-        Feature("offload", "Megatron state offload during rollout (actor.offload)", cuda and device.offload(),
-                "on GPU" if cuda else "CUDA absent: the phases only report what they would move",
+        Feature("offload", "Megatron state offload during rollout (actor.offload)", cuda,
+                "params and optimizer state to pinned host memory, grads freed" if cuda else
+                "CUDA absent: the same code runs, but host and device are one memory, so it saves nothing",
                 "" if cuda else f"run {ON_A_GPU}"),
         Feature("mlflow", "mlflow tracking", mlflow is not None,
                 "local SQLite store by default" if mlflow else "mlflow not installed", "" if mlflow else MAKE_INSTALL),

@@ -119,8 +119,11 @@ class EngineConfig:
     """Recompute each layer's activations in backward instead of storing them."""
 
     offload: bool = False
-    """Move parameters, gradients and optimizer state to host memory while the rollout engine
-    runs (GPU); on CPU the phases only report what they would move."""
+    """Free this model's device memory while the rollout engine generates: parameters and optimizer
+    state are copied to pinned host memory and their device storage freed, gradients are freed (each
+    mini-batch zeroes them anyway); all return before the model is used again, and training is
+    bitwise the same as without offload. The reference model follows actor.offload. On CPU the same
+    code runs, but there the host copy takes the memory the freed storage gave back: nothing is saved."""
 
     logprob_chunk_size: int = 256
     """Rows per chunk of the vocab-parallel log-prob/entropy kernel (peak memory vs. speed)."""

@@ -57,7 +57,9 @@ class RolloutEngine(Protocol):
     def sleep(self) -> None:
         """Free KV cache and weights while the trainer runs (GPU); a no-op on CPU."""
 
-    def wake_up(self) -> None: ...
+    def wake_up(self, tags: tuple[str, ...]) -> None:
+        """Map back what `tags` name (GPU; a no-op on CPU): "weights" before a weight sync,
+        "kv_cache" after it, so that each comes back into memory the trainer has just freed."""
 
     def shutdown(self) -> None:
         """Release what outlives the process (shared memory); the last call of a job."""

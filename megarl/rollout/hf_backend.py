@@ -70,7 +70,7 @@ class HFRollout:
     def sleep(self) -> None:
         pass
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: tuple[str, ...]) -> None:
         pass
 
     def shutdown(self) -> None:

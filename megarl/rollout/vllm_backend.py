@@ -6,7 +6,8 @@ Creating it has process-wide side effects that we undo: it reseeds the python/nu
 replaces `torch.set_num_threads` with a no-op and freezes the GC.
 Logprobs are the *processed* ones (after temperature), the distribution tokens were sampled from.
 Responses come back as token ids only (no detokenization: the trainer decodes once, for rewards).
-On GPU the engine sleeps while the trainer runs (KV cache and weights freed) and wakes for sync.
+On GPU the engine sleeps while the trainer runs (KV cache and weights freed); the trainer wakes
+its weights before a sync and its KV cache after it.
 """
 
 from __future__ import annotations
@@ -111,8 +112,6 @@ class VLLMRollout:
 
     def begin_weight_update(self, step: int) -> None:
         self.guard.begin(step)
-        if device.sleep_mode():
-            self.llm.wake_up(tags=["weights"])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """One in-place reload: vLLM moves every layer to meta, loads `weights` as they come (a
@@ -125,8 +124,6 @@ class VLLMRollout:
 
     def end_weight_update(self) -> None:
         self.llm.collective_rpc(_refresh_lm_head)
-        if device.sleep_mode():
-            self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         self.guard.end()
 
@@ -142,9 +139,9 @@ class VLLMRollout:
         if device.sleep_mode():
             self.llm.sleep(level=2)  # weights are overwritten by the next sync: drop them too
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: tuple[str, ...]) -> None:
         if device.sleep_mode():
-            self.llm.wake_up()
+            self.llm.wake_up(tags=list(tags))
 
 
 def _refresh_lm_head(worker) -> None:

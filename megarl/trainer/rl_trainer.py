@@ -5,6 +5,9 @@
 Models: the actor (trained), an optional reference (KL), an optional critic (GAE) and an optional
 reward model, all megatron-core models on the actor's layout, and one colocated rollout engine
 per TP_r ranks. Every rank holds the whole batch of the step; the engines split work over DP.
+
+Memory is shared in time: between phases the rollout engine sleeps and the Megatron models are
+resident; `RolloutPolicy` (`megarl.trainer.policy`) swaps them around each rollout.
 """
 
 from __future__ import annotations
@@ -29,15 +32,15 @@ from megarl.config.schema import EngineConfig
 from megarl.data.dataset import PromptDataset
 from megarl.data.sampler import ResumableSampler
 from megarl.engine.megatron_engine import MegatronEngine
-from megarl.resharding.executor import WeightSync
 from megarl.rewards import RewardManager, load_scoring_function, token_level_scores
-from megarl.rollout import ROLLOUT_BACKENDS, Sampling
+from megarl.rollout import Sampling
 from megarl.seeding import derive_seed
 from megarl.tracking import Tracker
 from megarl.trainer.contract import check_batch
 from megarl.trainer.curves import plot_curves
 from megarl.trainer.losses import actor_loss, critic_loss
 from megarl.trainer.metrics import batch_metrics, rollout_metrics, sync_metrics, update_metrics
+from megarl.trainer.policy import EngineSettings, RolloutPolicy
 from megarl.trainer.rollouts import Rollouts, collect_rollouts
 from megarl.trainer.scores import first_groups, informative, reward_model_scores, sequence_rewards
 from megarl.trainer.startup import Run
@@ -76,9 +79,8 @@ class RLTrainer:
         self.reward_model = None
         if config.reward.reward_model_path:
             self.reward_model = self._engine(EngineConfig(), trainable=False, path=config.reward.reward_model_path)
-        self.rollout = self._rollout_engine()
-        self.sync = WeightSync(self.actor.module, self.actor.arch, self.layout, self.rollout, config.rollout.tp,
-                               config.rollout.bucket_mib << 20)
+        self.policy = self._rollout_policy()
+        self.rollout = self.policy.engine
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = (AdaptiveKLController(kl.coef, kl.target_kl, kl.horizon) if kl.type == "adaptive"
                         else FixedKLController(kl.coef))
@@ -109,16 +111,16 @@ class RLTrainer:
                               total_optimizer_steps=self._optimizer_steps(engine_config) if trainable else None,
                               value_head=value)
 
-    def _rollout_engine(self):
-        """The engine starts with dummy weights: every generation follows a sync from the actor, so
-        reading the checkpoint's weights a second time (minutes for a large model) would be wasted."""
-        rollout, data = self.config.rollout, self.config.data
-        backend = ROLLOUT_BACKENDS.get(rollout.backend)
-        return backend(self.config.model.path, dtype=self.config.model.dtype, tensor_parallel_size=rollout.tp,
-                       max_model_len=data.max_prompt_length + data.max_response_length,
-                       kv_cache_bytes=rollout.kv_cache_mib << 20,
-                       gpu_memory_utilization=rollout.gpu_memory_utilization, seed=self.config.trainer.seed,
-                       dummy_weights=True)
+    def _rollout_policy(self) -> RolloutPolicy:
+        config = self.config
+        rollout, data = config.rollout, config.data
+        settings = EngineSettings(rollout.backend, config.model.path, config.model.dtype, rollout.tp,
+                                  data.max_prompt_length + data.max_response_length, rollout.kv_cache_mib << 20,
+                                  rollout.gpu_memory_utilization, config.trainer.seed, rollout.bucket_mib << 20)
+        # The reference follows `actor.offload`.
+        offloading = [engine.memory for engine in (self.actor, self.reference, self.critic)
+                      if engine is not None and engine.config.offload]
+        return RolloutPolicy(self.actor.module, self.actor.arch, self.layout, settings, offloading, self.actor.memory)
 
     def _sampling(self, step: int, validation: bool, draw: int = 0) -> Sampling:
         """Sampling of one engine call; `draw` numbers the calls of one step (DAPO's filter rounds)."""
@@ -160,12 +162,11 @@ class RLTrainer:
 
     def step(self, step: int) -> dict[str, float]:
         timer = PhaseTimer(step)
-        with timer("reshard"):
-            sync = self.sync.sync(step)
+        sync = self.policy.enter_rollout(step, timer)
         with timer("rollout"):
             rollouts, rounds = self._generate_training_rollouts(step)
             baseline_B = self._greedy_baseline(rollouts, step) if self.estimator.needs_greedy_baseline else None
-        self.rollout.sleep()
+        self.policy.leave_rollout(timer)
         batch = rollouts.to_batch(self.pad_token_id)
         self._check(batch, "rollout", ("rollout_logprobs",))
         temperature = self.config.rollout.temperature
@@ -201,7 +202,6 @@ class RLTrainer:
             with timer("update_critic"):
                 critic_history, _ = self.critic.update(batch, critic_loss(self.config.critic), self.config.rollout.n,
                                                        self.config.trainer.seed, step)
-        self.rollout.wake_up()
         tensors = batch.response_tensors
         return {**rollout_metrics(rollouts, batch, scores, rounds), **sync_metrics(sync), **advantage_metrics,
                 **rollout_mismatch_metrics(tensors["old_logprobs"], tensors["rollout_logprobs"], batch.response_mask_BR),
@@ -276,9 +276,11 @@ class RLTrainer:
     def validate(self, step: int) -> dict[str, float]:
         """Validation of the weights as they are now: synced first, because after a step the engine
         still holds the weights that step started from (a checkpoint of `step` holds the updated ones)."""
-        self.sync.sync(step)
+        timer = PhaseTimer(step)
+        self.policy.enter_rollout(step, timer)
         limit = self.config.data.max_val_samples or len(self.val_data)
         prompts = [self.val_data[i] for i in range(min(limit, len(self.val_data)))]
         rollouts = self._collect(prompts, self._sampling(0, validation=True))
+        self.policy.leave_rollout(timer)
         return validation_metrics(rollouts, self.config.rollout.val_n)
 

@@ -50,7 +50,7 @@ def test_tp1_scores_match_transformers_and_the_step_moves_weights(baseline, tiny
     moved = max(float((weights[name] - source[name]).abs().max()) for name in source)
     assert 5e-4 < moved < 2e-3  # an AdamW step of lr 1e-3 moves weights by about lr
     assert report["grad_norm"] > 1.0 and report["update_skipped"] == 0.0  # clipping was active
-    # Memory phases on CPU report what they would move: fp32 params and grads, Adam's two moments.
+    # Offload frees the device storage of fp32 params and grads and Adam's two moments (and steps).
     padding_rows = 2 * (128 - 101)  # untied embedding and output layer, vocab 101 padded to 128
     params = sum(t.numel() for t in source.values()) + padding_rows * 128
     assert report["param_count"] == params

@@ -51,7 +51,7 @@ def test_answers_without_cuda(monkeypatch):
     monkeypatch.setattr(device, "nvidia_apex_importable", lambda: True)
     assert device.backend() == "gloo" and device.compute_device() == torch.device("cpu")
     assert not any(answer() for answer in (device.cuda, device.transformer_engine, device.apex, device.triton,
-                                           device.sleep_mode, device.offload))
+                                           device.sleep_mode))
 
 
 def test_answers_with_cuda(monkeypatch):
@@ -59,7 +59,7 @@ def test_answers_with_cuda(monkeypatch):
     monkeypatch.setattr(device, "triton_importable", lambda: True)
     monkeypatch.setattr(device, "nvidia_apex_importable", lambda: False)
     assert device.backend() == "nccl"
-    assert device.triton() and device.sleep_mode() and device.offload() and not device.apex()
+    assert device.triton() and device.sleep_mode() and not device.apex()
 
 
 def test_nothing_else_asks_torch_about_cuda():

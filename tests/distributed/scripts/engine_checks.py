@@ -104,7 +104,7 @@ if args.bf16_steps:
     ]
     report["bf16_losses"] = [bf16.train_mini_batch(batch, nll_with_entropy_bonus, temperature=TEMPERATURE)[0]["loss"]
                              for _ in range(args.bf16_steps)]
-report["offload_bytes"] = policy.memory.offload()  # on CPU: what would move
+report["offload_bytes"] = policy.memory.offload()  # device bytes freed, per category
 report["param_count"] = sum(p.numel() for p in policy.module.parameters())
 if dist.get_rank() == 0:
     print("REPORT " + json.dumps(report), flush=True)

@@ -1,0 +1,82 @@
+"""A policy served by its colocated rollout engine: built and synced one way, for the trainer and
+for `launchers/generate.py`.
+
+    policy = RolloutPolicy(actor.module, actor.arch, layout, settings, offload=[...])
+    sync = policy.enter_rollout(step, timer)   # models out, engine weights in, synced, KV cache in
+    ... policy.engine.generate(...) ...
+    policy.leave_rollout(timer)                # engine asleep, models back
+
+The engine starts with dummy weights: every generation follows a sync from the policy, so reading
+the checkpoint's weights a second time (minutes for a large model) would be wasted. Memory is
+shared in time: the engine is created while the models that offload are off the device (vLLM sizes
+its KV cache from the free memory it sees then), and each rollout wakes the engine's weights
+before the sync and its KV cache after it, once the policy's own parameters have left too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from megarl.distributed.layout import ParallelLayout
+from megarl.engine.memory import MemoryPhases
+from megarl.models.architecture import Architecture
+from megarl.resharding.executor import SyncStats, WeightSync
+from megarl.rollout import ROLLOUT_BACKENDS, RolloutEngine
+from megarl.trainer.timing import PhaseTimer
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    backend: str
+    """A name in ROLLOUT_BACKENDS."""
+    model_path: str
+    """HF directory with the config and tokenizer (its weights are not read)."""
+    dtype: str
+    tp: int
+    max_model_len: int
+    kv_cache_bytes: int
+    gpu_memory_utilization: float
+    seed: int
+    bucket_bytes: int
+    """Weight-sync bucket size."""
+
+
+class RolloutPolicy:
+    def __init__(self, module: torch.nn.Module, arch: Architecture, layout: ParallelLayout, settings: EngineSettings,
+                 offload: Sequence[MemoryPhases] = (), policy_memory: MemoryPhases | None = None):
+        """`offload`: memory phases of the models that leave the device during rollouts; the policy's
+        own (`policy_memory`, if among them) keeps its parameters until the sync has read them."""
+        self.offload, self.policy_memory = list(offload), policy_memory
+        for memory in self.offload:
+            memory.offload()
+        self.engine: RolloutEngine = ROLLOUT_BACKENDS.get(settings.backend)(
+            settings.model_path, dtype=settings.dtype, tensor_parallel_size=settings.tp,
+            max_model_len=settings.max_model_len, kv_cache_bytes=settings.kv_cache_bytes,
+            gpu_memory_utilization=settings.gpu_memory_utilization, seed=settings.seed, dummy_weights=True)
+        self.engine.sleep()
+        for memory in self.offload:
+            memory.reload()
+        self.sync = WeightSync(module, arch, layout, self.engine, settings.tp, settings.bucket_bytes)
+
+    def enter_rollout(self, step: int, timer: PhaseTimer) -> SyncStats:
+        """Models out, engine in, each part into the memory the previous one freed."""
+        with timer("offload"):
+            for memory in self.offload:
+                memory.offload(keep_params=memory is self.policy_memory)  # the sync reads them
+        with timer("reshard"):
+            self.engine.wake_up(("weights",))
+            sync = self.sync.sync(step)
+        with timer("offload"):
+            if self.policy_memory in self.offload:
+                self.policy_memory.offload()
+            self.engine.wake_up(("kv_cache",))
+        return sync
+
+    def leave_rollout(self, timer: PhaseTimer) -> None:
+        with timer("reload"):
+            self.engine.sleep()
+            for memory in self.offload:
+                memory.reload()
