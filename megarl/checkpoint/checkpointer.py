@@ -113,6 +113,8 @@ class Checkpointer:
         self.wait()
         rank, world_size = dist.get_rank(), dist.get_world_size()
         staging = begin(self.root, step, [*engines, "rng"])
+        for name, engine in engines.items():
+            check_step_counts(engine.optimizer, engine.scheduler.num_steps, f"saving the {name} at step {step}")
         torch.save(rng_state(), staging / "rng" / f"rank_{rank}.pt")
         state = dict(trainer_state, step=step, world_size=world_size,
                      schedulers={n: e.scheduler.state_dict() for n, e in engines.items()})
@@ -156,7 +158,7 @@ class Checkpointer:
             engine.module.load_state_dict(loaded["model"])
             load_optimizer_state(engine.optimizer, loaded["optimizer"])
             engine.scheduler.load_state_dict(state["schedulers"][name])
-            check_step_counts(engine.optimizer, taken=engine.scheduler.num_steps, where=directory / name)
+            check_step_counts(engine.optimizer, engine.scheduler.num_steps, f"loading {directory / name}")
         if state["world_size"] == dist.get_world_size():  # RNG streams belong to ranks: same-size worlds only
             set_rng_state(torch.load(directory / "rng" / f"rank_{dist.get_rank()}.pt", weights_only=True))
         return state

@@ -60,21 +60,21 @@ def load_optimizer_state(optimizer, loaded: dict) -> None:
             inner[param]["step"] = step.clone()  # one counter per parameter, as torch's Adam expects
 
 
-def step_counts(optimizer) -> set[float]:
-    """The step counts this rank's optimizer state holds: per parameter (torch's Adam) or per param
-    group (Apex/TE FusedAdam)."""
-    counts = set()
-    for part in chained(optimizer):
-        per_parameter = [float(s["step"]) for s in part.optimizer.state.values() if "step" in s]
-        counts.update(per_parameter or (float(g["step"]) for g in part.optimizer.param_groups
-                                        if g["params"] and "step" in g))
-    return counts
+def _step_tensors(part) -> list[torch.Tensor]:
+    return [state["step"] for state in part.optimizer.state.values() if "step" in state]
 
 
-def check_step_counts(optimizer, taken: int, where) -> None:
-    """Every parameter's Adam step equals the number of optimizer steps `taken` (the LR scheduler's
+def check_step_counts(optimizer, taken: int, where: str) -> None:
+    """Every parameter counts its own Adam steps (per parameter with torch's Adam, per param group
+    with Apex/TE FusedAdam), and the count equals the optimizer steps `taken` (the LR scheduler's
     count). fp16 loss scaling skips the steps whose gradients overflowed, so there it may be lower."""
-    counts = step_counts(optimizer)
-    may_skip = any(part.config.fp16 for part in chained(optimizer))
+    counts, may_skip = set(), False
+    for part in chained(optimizer):
+        tensors = _step_tensors(part)
+        assert len({id(t) for t in tensors}) == len(tensors), f"{where}: parameters share one Adam step counter"
+        counts.update(float(t) for t in tensors)
+        if not tensors:
+            counts.update(float(g["step"]) for g in part.optimizer.param_groups if g["params"] and "step" in g)
+        may_skip |= part.config.fp16
     exact = counts <= {taken} or (may_skip and len(counts) == 1 and max(counts) <= taken)
-    assert exact, f"{where}: after loading, the optimizer counts {sorted(counts)} steps; {taken} were taken"
+    assert exact, f"{where}: the optimizer counts {sorted(counts)} steps; {taken} were taken"

@@ -55,7 +55,11 @@ def test_tp1_scores_match_transformers_and_the_step_moves_weights(baseline, tiny
     params = sum(t.numel() for t in source.values()) + padding_rows * 128
     assert report["param_count"] == params
     moved = report["offload_bytes"]
-    assert moved["params"] == moved["grads"] == 4 * params and moved["optimizer"] >= 8 * params
+    # The distributed optimizer's buffers align each parameter to 64 elements and the bucket end to
+    # 128 (megatron's param_and_grad_buffer); megatron fuses HF tensors, so it has at most len(source).
+    alignment = 64 * len(source) + 128
+    assert 4 * params <= moved["params"] == moved["grads"] <= 4 * (params + alignment)
+    assert moved["optimizer"] >= 8 * params
 
 
 @pytest.fixture(scope="module")
