@@ -23,7 +23,7 @@ import torch
 OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def chained(optimizer) -> list:
+def _chained(optimizer) -> list:
     """The megatron optimizers inside `optimizer` (a ChainedOptimizer or a single one)."""
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
@@ -35,7 +35,7 @@ def sharded_optimizer_state(optimizer, model_sharded_state: dict, is_loading: bo
 def initialize_optimizer_state(optimizer) -> None:
     """Create (zero) Adam state before loading into it: the optimizer only creates state at its first
     step, and without Apex/TE megatron's distributed optimizer also needs each state's `step`."""
-    for part in chained(optimizer):
+    for part in _chained(optimizer):
         if part.init_state_fn is not None:
             part.init_state_fn(part.optimizer, part.config)
         for state in part.optimizer.state.values():
@@ -44,7 +44,7 @@ def initialize_optimizer_state(optimizer) -> None:
 
 def load_optimizer_state(optimizer, loaded: dict) -> None:
     """Load what `dist_checkpointing.load` returned for `sharded_optimizer_state(..., is_loading=True)`."""
-    parts = chained(optimizer)
+    parts = _chained(optimizer)
     states = [loaded] if len(parts) == 1 else [loaded[index] for index in sorted(loaded)]
     for part, state in zip(parts, states):
         if "param_state" not in state:  # not a distributed optimizer: megatron's own load is exact
@@ -69,7 +69,7 @@ def check_step_counts(optimizer, taken: int, where: str) -> None:
     with Apex/TE FusedAdam), and the count equals the optimizer steps `taken` (the LR scheduler's
     count). fp16 loss scaling skips the steps whose gradients overflowed, so there it may be lower."""
     counts, may_skip = set(), False
-    for part in chained(optimizer):
+    for part in _chained(optimizer):
         tensors = _step_tensors(part)
         assert len({id(t) for t in tensors}) == len(tensors), f"{where}: parameters share one Adam step counter"
         counts.update(float(t) for t in tensors)
