@@ -113,7 +113,8 @@ class EngineConfig:
     """Token budget of one micro-batch on one rank when `use_dynamic_batch_size` is set."""
 
     use_distributed_optimizer: bool = True
-    """Shard optimizer state over DP ranks (megatron's distributed optimizer) when DP > 1."""
+    """megatron's distributed optimizer: optimizer state sharded over DP ranks (at DP1 it shards nothing
+    but keeps the one checkpoint format that reshards over TP, PP and DP)."""
 
     recompute_activations: bool = False
     """Recompute each layer's activations in backward instead of storing them."""
