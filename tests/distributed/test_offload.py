@@ -42,7 +42,7 @@ def test_offload_keeps_training_bitwise_and_frees_the_device_during_rollout(tiny
                       f"trainer.checkpoint_dir={tmp_path / 'ckpt'}", "trainer.loggers=[]", "trainer.total_steps=3",
                       "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2",
                       "data.max_val_samples=4", "trainer.check_batches=true", "rollout.backend=recording-hf",
-                      f"reward.custom_function_path={ROOT / 'tests/integration/user_reward.py'}",
+                      f"reward.function={ROOT / 'tests/integration/user_reward.py'}:compute_score",
                       *LAYOUTS[layout], timeout=600)
     assert_succeeded(result)
     report = json.loads(next(l for l in result.stdout.splitlines() if l.startswith("REPORT ")).removeprefix("REPORT "))

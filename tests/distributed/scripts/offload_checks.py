@@ -88,7 +88,7 @@ def state_of(trainer: RLTrainer) -> dict[str, list[torch.Tensor]]:
 def run(argv: list[str], layout) -> dict:
     ENGINES.clear()
     EVENTS.clear()
-    config = parse_config(argv)
+    config = parse_config(argv, rl=True)
     trainer = ObservedTrainer(Run(config, layout, Path(config.trainer.output_dir) / config.trainer.experiment_name))
     after_steps, history = [], []
     for step in range(1, config.trainer.total_steps + 1):
