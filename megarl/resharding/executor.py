@@ -104,14 +104,16 @@ class WeightSync:
                  engine: RolloutEngine, engine_tp: int, bucket_bytes: int):
         self.module, self.engine = module, engine
         self.rank = dist.get_rank()
-        self.dtype = next(module.parameters()).dtype
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        itemsize = next(module.parameters()).element_size()
         described = [None] * dist.get_world_size()
-        shard_shapes = {(self.rank, name): tuple(p.shape) for name, p in module.named_parameters()}
-        dist.all_gather_object(described, (local_sources(module, arch, layout), shard_shapes))
+        shards = {(self.rank, name): (tuple(p.shape), p.dtype) for name, p in module.named_parameters()}
+        dist.all_gather_object(described, (local_sources(module, arch, layout), shards))
         sources = [piece for pieces, _ in described for piece in pieces]
-        all_shapes = {key: shape for _, shapes in described for key, shape in shapes.items()}
-        self.hf_shapes = hf_shapes_from(sources, all_shapes)
+        all_shards = {key: shard for _, shards in described for key, shard in shards.items()}
+        self.hf_shapes = hf_shapes_from(sources, {key: shape for key, (shape, _) in all_shards.items()})
+        # Each HF tensor travels in its shard's dtype: a bf16 model keeps some parameters (layer norms of
+        # megatron's local spec) in fp32, so the first parameter's dtype is not every tensor's.
+        self.hf_dtypes = {piece.hf_name: all_shards[(piece.rank, piece.megatron_name)][1] for piece in sources}
         # vLLM forms its TP groups from consecutive ranks of the world.
         needs = [need for rank in range(dist.get_world_size())
                  for need in engine_needs(rank, rank % engine_tp, engine_tp, self.hf_shapes, arch)]
@@ -167,7 +169,7 @@ class WeightSync:
     def _receive_bucket(self, params: dict, in_bucket: set[str], progress: _SyncProgress) -> dict[str, torch.Tensor]:
         transfers = [t for t in self.plan.transfers if t.hf_name in in_bucket and self.rank in (t.src, t.dst)]
         device = next(iter(params.values())).device
-        tensors = {t.hf_name: torch.empty(self.hf_shapes[t.hf_name], dtype=self.dtype, device=device)
+        tensors = {t.hf_name: torch.empty(self.hf_shapes[t.hf_name], dtype=self.hf_dtypes[t.hf_name], device=device)
                    for t in transfers if t.dst == self.rank}
         # One message per transfer, in plan order on both sides (p2p messages between a pair of
         # ranks arrive in order). Contiguous slices (splits along dim 0) are sent from the shard

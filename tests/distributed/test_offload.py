@@ -1,5 +1,6 @@
-"""`actor.offload`/`critic.offload` in the RL trainer at TP2 (bf16), PP2 (fp32) and DP2 (fp32 with the
-distributed optimizer, whose main parameters are views of DDP's parameter buffer), 2 processes each.
+"""`actor.offload`/`critic.offload` in the RL trainer at TP2 (bf16, without the distributed optimizer),
+PP2 (bf16) and DP2 (fp32 with the distributed optimizer, whose main parameters are views of DDP's
+parameter buffer), 2 processes each.
 
 One launch per layout runs PPO (actor, reference for the KL reward, critic) for three steps and a
 validation, offload off then on (tests/distributed/scripts/offload_checks.py). Checks:
@@ -10,7 +11,9 @@ validation, offload off then on (tests/distributed/scripts/offload_checks.py). C
   they hold exactly what the run without offload holds;
 - the rollout engine's phase calls come in the order that lets each part fit: created then put to
   sleep; per rollout, weights woken before the sync, KV cache after it, asleep again afterwards.
-bf16 without the distributed optimizer (TP2, DP1) is the case whose weights used never to leave.
+bf16 without the distributed optimizer (TP2) is the case whose weights used never to leave. bf16 at
+PP2 keeps fp32 layer norms on the second stage, whose weight sync used to assume the first
+parameter's dtype for every tensor.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from megarl.data.synthetic import make_arithmetic
 from tests.conftest import ROOT, assert_succeeded, torchrun
 
 SCRIPT = ROOT / "tests/distributed/scripts/offload_checks.py"
-LAYOUTS = {"tp2": ["actor.tp=2", "model.dtype=bfloat16"], "pp2": ["actor.pp=2"], "dp2": []}
+LAYOUTS = {"tp2": ["actor.tp=2", "model.dtype=bfloat16", "actor.use_distributed_optimizer=false",
+                   "critic.use_distributed_optimizer=false"],
+           "pp2": ["actor.pp=2", "model.dtype=bfloat16"], "dp2": []}
 ROLLOUT = ["wake_up weights", "begin_weight_update", "end_weight_update", "wake_up kv_cache", "generate", "sleep"]
 EXPECTED_PHASES = ["create", "sleep"] + ROLLOUT * 4  # three steps, then a validation
 
