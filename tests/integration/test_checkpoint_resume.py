@@ -60,7 +60,7 @@ def _args(job: Job, model, data, out: Path, *extra: str) -> list[str]:
     train, test = data
     return ["--config", job.config, f"model.path={model}", f"data.train_files=[{train}]",
             f"data.val_files=[{test}]", f"trainer.output_dir={out}", f"trainer.checkpoint_dir={out}/ckpt",
-            f"trainer.total_steps={TOTAL_STEPS}", "trainer.save_freq=1", "trainer.test_freq=0",
+            f"trainer.total_steps={TOTAL_STEPS}", "trainer.save_freq=1", "trainer.test_freq=0", "trainer.log_freq=1",
             f"data.train_batch_size={TRAIN_BATCH_SIZE}", f"actor.ppo_mini_batch_size={MINI_BATCH_SIZE}",
             "data.max_val_samples=4", "actor.optim.lr=1e-3",
             f"reward.function={ROOT / 'tests/integration/user_reward.py'}:compute_score", *job.overrides, *extra]
