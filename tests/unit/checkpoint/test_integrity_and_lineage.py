@@ -14,18 +14,9 @@ from megarl.checkpoint.directory import (
     checksum,
     complete_checkpoints,
     partial_dir,
-    publish,
     remove_oldest,
-    write_manifest,
 )
-
-
-def _checkpoint(root, step, payload=b"weights"):
-    staging = partial_dir(root, step)
-    (staging / "actor").mkdir(parents=True)
-    (staging / "actor" / "shard.distcp").write_bytes(payload)
-    write_manifest(staging, step)
-    return publish(root, step)
+from tests.unit.checkpoint.fake_checkpoint import publish_fake_checkpoint
 
 
 def _checkpointer(root):
@@ -41,9 +32,9 @@ def test_checksum_covers_the_first_and_last_mib(tmp_path, size):
     assert checksum(tmp_path / "file") == expected
 
 
-def test_a_shard_truncated_to_zero_bytes_is_skipped_for_the_previous_checkpoint(tmp_path, caplog):
-    _checkpoint(tmp_path, 1)
-    _checkpoint(tmp_path, 2)
+def test_a_shard_truncated_to_zero_bytes_is_skipped_for_the_previouspublish_fake_checkpoint(tmp_path, caplog):
+    publish_fake_checkpoint(tmp_path, 1)
+    publish_fake_checkpoint(tmp_path, 2)
     (tmp_path / "global_step_2" / "actor" / "shard.distcp").write_bytes(b"")
     with caplog.at_level(logging.WARNING):
         assert _checkpointer(tmp_path).find("auto", "") == tmp_path / "global_step_1"
@@ -51,7 +42,7 @@ def test_a_shard_truncated_to_zero_bytes_is_skipped_for_the_previous_checkpoint(
 
 
 def test_a_shard_overwritten_in_place_fails_its_checksum(tmp_path, caplog):
-    _checkpoint(tmp_path, 1, os.urandom(3 * CHECKSUM_SPAN))
+    publish_fake_checkpoint(tmp_path, 1, os.urandom(3 * CHECKSUM_SPAN))
     shard = tmp_path / "global_step_1" / "actor" / "shard.distcp"
     data = bytearray(shard.read_bytes())
     data[-5] ^= 0xFF  # same size, one byte of the last MiB changed
@@ -67,10 +58,10 @@ def test_retention_keeps_the_checkpoint_just_published_whatever_its_step(tmp_pat
     # A run that rolled back to step 1 (resume_mode=path) publishes step 2 beside a newer step 6:
     # keeping the highest steps would delete the work just saved and leave `latest` dangling.
     for step in (1, 6, 2):
-        _checkpoint(tmp_path, step)
+        publish_fake_checkpoint(tmp_path, step)
     assert [p.name for p in remove_oldest(tmp_path, keep=1)] == ["global_step_1", "global_step_6"]
     assert (tmp_path / "latest").read_text() == "global_step_2" and (tmp_path / "global_step_2").is_dir()
-    _checkpoint(tmp_path, 3)
+    publish_fake_checkpoint(tmp_path, 3)
     assert [p.name for p in remove_oldest(tmp_path, keep=2)] == []
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["global_step_2", "global_step_3"]
 
@@ -79,7 +70,7 @@ def test_disable_refuses_a_directory_holding_an_earlier_runs_checkpoints(tmp_pat
     assert _checkpointer(tmp_path / "absent").find("disable", "") is None
     partial_dir(tmp_path, 1).mkdir()  # a save that never finished is no run to mix with
     assert _checkpointer(tmp_path).find("disable", "") is None
-    _checkpoint(tmp_path, 6)
+    publish_fake_checkpoint(tmp_path, 6)
     with pytest.raises(CheckpointError) as error:
         _checkpointer(tmp_path).find("disable", "")
     message = str(error.value)
