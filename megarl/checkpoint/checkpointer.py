@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megarl import device
@@ -75,6 +75,28 @@ def set_rng_state(state: dict) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def one_after_another(requests: list[AsyncRequest]) -> AsyncRequest:
+    """One asynchronous request that writes the engines' checkpoints in turn.
+
+    Megatron's asynchronous writers report where each tensor landed through one queue per process,
+    and each save's finalization (which writes its index) takes the next report from it: two saves
+    in flight at once (actor and critic) can take each other's reports and publish an index that
+    points at the wrong bytes. Written in turn, the reports arrive in the order the finalizations
+    read them. Tensors are staged to host memory now, at the step being saved."""
+    staged = []
+    for request in requests:
+        args = list(request.async_fn_args)
+        if request.preload_fn:
+            args[1] = request.preload_fn()
+        staged.append((request.async_fn, args, request.async_fn_kwargs))
+
+    def write_in_turn():
+        for write, args, kwargs in staged:
+            write(*args, **kwargs)
+
+    return AsyncRequest(write_in_turn, (), [fn for request in requests for fn in request.finalize_fns])
+
+
 class Checkpointer:
     def __init__(self, root: Path, hf_source: str, config_file: Path, max_to_keep: int, async_save: bool = False):
         self.root, self.hf_source, self.config_file, self.max_to_keep = root, Path(hf_source), config_file, max_to_keep
@@ -123,9 +145,9 @@ class Checkpointer:
                     for name, engine in engines.items()]
         if not self.async_save:
             return self._publish(state)
-        requests[-1].add_finalize_fn(lambda: self._publish(state))
-        for request in requests:
-            self.queue.schedule_async_request(request)
+        request = one_after_another(requests)
+        request.add_finalize_fn(lambda: self._publish(state))
+        self.queue.schedule_async_request(request)
 
     def poll(self) -> None:
         """Collective: publish an asynchronous save whose shards are all written."""
