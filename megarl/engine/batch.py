@@ -85,6 +85,15 @@ class SequenceBatch:
             response_tensors={k: v[indices, :width] for k, v in self.response_tensors.items()},
         )
 
+    def widened_to_multiple(self, multiple: int) -> SequenceBatch:
+        """The batch with `tokens_BT` right-padded to a width that is a multiple of `multiple` (sequence
+        parallelism splits the sequence over TP ranks); padding columns follow every real token."""
+        padding = -self.tokens_BT.shape[1] % multiple
+        if not padding:
+            return self
+        tokens_BT = torch.nn.functional.pad(self.tokens_BT, (0, padding))
+        return SequenceBatch(tokens_BT, self.prompt_lengths_B, self.response_lengths_B, self.response_tensors)
+
     def validate(self, max_sequence_length: int) -> None:
         """Reject batches the engine cannot run, naming the offending sequence."""
         if len(self) == 0:

@@ -81,6 +81,8 @@ class MegatronEngine:
         )
         self.model = self.module
         self.packed = resolve_layer_spec(model_config.layer_spec) == "transformer_engine"
+        # Sequence parallelism splits each micro-batch's tokens over the TP ranks.
+        self.sequence_multiple = layout.tp if self.module.config.sequence_parallel else 1
         self.optimizer = self.scheduler = None
         if trainable:
             self._make_trainable(model_config, total_optimizer_steps)
@@ -141,6 +143,8 @@ class MegatronEngine:
 
     def _run_schedule(self, batch: SequenceBatch, micro: list[list[int]], loss_func, forward_only: bool) -> list:
         micro_batches = [batch.select(indices) for indices in micro]
+        if not self.packed:
+            micro_batches = [mb.widened_to_multiple(self.sequence_multiple) for mb in micro_batches]
         data = iter(micro_batches)
 
         def forward_step(data_iterator, model):
@@ -163,9 +167,9 @@ class MegatronEngine:
             tokens_bT = micro_batch.tokens_BT.to(device.compute_device())
             positions_bT = torch.arange(tokens_bT.shape[1], device=tokens_bT.device).expand_as(tokens_bT)
             return tokens_bT, positions_bT, None
-        tokens_1N, positions_1N, cu_seqlens = pack(micro_batch)
+        tokens_1N, positions_1N, cu_seqlens = pack(micro_batch, self.sequence_multiple)
+        longest = int(cu_seqlens.diff().max())
         cu_seqlens = cu_seqlens.to(device.compute_device())
-        longest = int(micro_batch.sequence_lengths_B.max())
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                                  max_seqlen_q=longest, max_seqlen_kv=longest)
         return tokens_1N.to(device.compute_device()), positions_1N.to(device.compute_device()), params

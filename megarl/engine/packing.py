@@ -22,13 +22,17 @@ def cumulative_lengths(lengths_B: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros(1, dtype=torch.long), lengths_B.cumsum(0)]).to(torch.int32)
 
 
-def pack(batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tokens (1, N), positions (1, N), cu_seqlens (b + 1,)) of the sequences laid end to end,
-    N = sum of their lengths; positions restart at every sequence."""
+def pack(batch: SequenceBatch, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens (1, N), positions (1, N), cu_seqlens) of the sequences laid end to end, N = sum of
+    their lengths; positions restart at every sequence. N is rounded up to a `multiple` (sequence
+    parallelism splits it over TP ranks) by one extra segment of padding that attends only to itself,
+    after the real sequences: cu_seqlens has b + 1 entries, or b + 2 with the padding segment."""
     lengths = batch.sequence_lengths_B.tolist()
-    tokens_N = torch.cat([row[:n] for row, n in zip(batch.tokens_BT, lengths)])
-    positions_N = torch.cat([torch.arange(n) for n in lengths])
-    return tokens_N[None], positions_N[None], cumulative_lengths(batch.sequence_lengths_B)
+    padding = -sum(lengths) % multiple
+    tokens_N = torch.cat([row[:n] for row, n in zip(batch.tokens_BT, lengths)] + [batch.tokens_BT.new_zeros(padding)])
+    positions_N = torch.cat([torch.arange(n) for n in [*lengths, padding]])
+    cu_seqlens = cumulative_lengths(torch.tensor([*lengths, padding] if padding else lengths))
+    return tokens_N[None], positions_N[None], cu_seqlens
 
 
 def response_output_rows(batch: SequenceBatch, packed: bool) -> torch.Tensor:

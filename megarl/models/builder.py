@@ -2,6 +2,7 @@
 
 The layer spec decides *which* modules implement the layer: megatron-core's local modules on CPU,
 Transformer Engine's fused ones where `megarl.device` says TE is usable (`layer_spec="auto"`).
+Fused kernels and sequence parallelism follow the device too (`fused_kernels`).
 """
 
 from __future__ import annotations
@@ -52,9 +53,31 @@ def resolve_layer_spec(layer_spec: str) -> str:
     return layer_spec
 
 
+def fused_kernels(layer_spec: str, tp: int) -> dict[str, bool]:
+    """megatron-core's speed features, on where they run (`layer_spec` resolved):
+
+    - SwiGLU and bias-dropout-add fusions: megatron's own jit-fused functions, on CUDA;
+    - RoPE fusion: Transformer Engine's kernels (BSHD and THD); unfused RoPE on packed THD
+      micro-batches syncs with the host in every layer;
+    - gradient-accumulation fusion: TE's layers accumulate weight gradients straight into the
+      fp32 `main_grad` buffers (megatron's local layers would need Apex's extension for it);
+    - sequence parallelism at TP > 1: activations outside attention and MLP are split over the
+      sequence, through reduce-scatters that gloo does not implement.
+    Masked-softmax and persistent layer-norm fusions stay off: TE's attention and RMSNorm replace
+    them, and megatron's local versions need Megatron-LM's own CUDA extensions."""
+    cuda, te_layers = device.cuda(), layer_spec == "transformer_engine"
+    return {
+        "bias_activation_fusion": cuda,
+        "bias_dropout_fusion": cuda,
+        "apply_rope_fusion": device.transformer_engine(),
+        "gradient_accumulation_fusion": te_layers,
+        "sequence_parallel": cuda and tp > 1,
+    }
+
+
 def transformer_config(
     arch: Architecture, layout: ParallelLayout, dtype: str, recompute_activations: bool = False,
-    schedule: ScheduleSettings = ScheduleSettings(),
+    schedule: ScheduleSettings = ScheduleSettings(), layer_spec: str = "local",
 ) -> TransformerConfig:
     params_dtype = TORCH_DTYPES[dtype]
     return TransformerConfig(
@@ -86,14 +109,10 @@ def transformer_config(
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         pipeline_dtype=params_dtype,
-        # The fused kernels below exist only as CUDA extensions.
         use_cpu_initialization=not device.cuda(),
-        bias_activation_fusion=False,
         masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        **fused_kernels(layer_spec, layout.tp),
         **vars(schedule),
         # megatron-core rejects variable_seq_lengths with its default MoE token dispatcher
         # ("allgather") even in a dense model, which builds no dispatcher at all.
@@ -113,8 +132,9 @@ def build_model(
     """The stage of `arch` that this rank holds: its layers, embedding on the first stage, and the
     output layer (or value head for value models) on the last stage."""
     check_layout_fits(arch, layout.tp, layout.pp)
-    config = transformer_config(arch, layout, dtype, recompute_activations, schedule)
-    if resolve_layer_spec(layer_spec) == "transformer_engine":
+    layer_spec = resolve_layer_spec(layer_spec)
+    config = transformer_config(arch, layout, dtype, recompute_activations, schedule, layer_spec)
+    if layer_spec == "transformer_engine":
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
@@ -134,5 +154,6 @@ def build_model(
         seq_len_interpolation_factor=arch.rope_factor if arch.rope_type == "linear" else None,
     )
     if arch.value_model and layout.is_last_stage:
-        model.output_layer = ValueHead(arch.hidden_size, config.params_dtype, device.compute_device())
+        model.output_layer = ValueHead(arch.hidden_size, config.params_dtype, device.compute_device(),
+                                       config.sequence_parallel)
     return model

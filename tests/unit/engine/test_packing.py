@@ -1,4 +1,5 @@
-"""Packed (THD) and padded layouts of one micro-batch give every response token the same log-prob.
+"""Packed (THD) and padded layouts of one micro-batch give every response token the same log-prob,
+also when sequence parallelism rounds their token count up to a multiple of TP.
 
 A small causal model that honours sequence boundaries stands in for Transformer Engine's THD attention
 (positions restart per sequence, context resets at each `cu_seqlens` offset). Each sequence scored on
@@ -56,19 +57,25 @@ def test_packed_and_padded_layouts_give_each_sequence_its_own_logprobs():
             log_p = torch.log_softmax(logits, dim=-1)
             expected[i, : n - p] = log_p[torch.arange(p - 1, n - 1), tokens_BT[i, p:n]]
 
-        width = tokens_BT.shape[1]
-        padded_logits = torch.cat([model(row, torch.arange(width), torch.tensor([0, width])) for row in tokens_BT])
-        padded = _logprobs(padded_logits, response_output_rows(batch, packed=False), batch)
+        for multiple in (1, 4):  # 4: sequence parallelism at TP4 (26 and 38 tokens are not multiples)
+            wide = batch.widened_to_multiple(multiple)
+            width = wide.tokens_BT.shape[1]
+            assert width % multiple == 0 and torch.equal(wide.tokens_BT[:, : tokens_BT.shape[1]], tokens_BT)
+            padded_logits = torch.cat([model(row, torch.arange(width), torch.tensor([0, width])) for row in wide.tokens_BT])
+            padded = _logprobs(padded_logits, response_output_rows(wide, packed=False), wide)
 
-        tokens_1N, positions_1N, cu_seqlens = pack(batch)
-        assert cu_seqlens.tolist() == [0, *lengths.cumsum(0).tolist()] and tokens_1N.shape[1] == int(lengths.sum())
-        packed_logits = model(tokens_1N[0], positions_1N[0], cu_seqlens)
-        rows = response_output_rows(batch, packed=True)
-        # Every row read belongs to the sequence whose response it scores.
-        owner = torch.bucketize(rows, cu_seqlens[1:].long(), right=True).view(len(batch), -1)
-        assert torch.equal(owner, torch.arange(len(batch))[:, None].expand_as(owner))
-        packed = _logprobs(packed_logits, rows, batch)
+            tokens_1N, positions_1N, cu_seqlens = pack(batch, multiple)
+            total = int(lengths.sum())
+            assert tokens_1N.shape[1] % multiple == 0 and tokens_1N.shape[1] - total < multiple
+            segments = [*lengths.tolist(), *([tokens_1N.shape[1] - total] if tokens_1N.shape[1] > total else [])]
+            assert cu_seqlens.tolist() == [0, *torch.tensor(segments).cumsum(0).tolist()]
+            packed_logits = model(tokens_1N[0], positions_1N[0], cu_seqlens)
+            rows = response_output_rows(batch, packed=True)
+            # Every row read belongs to the sequence whose response it scores.
+            owner = torch.bucketize(rows, cu_seqlens[1:].long(), right=True).view(len(batch), -1)
+            assert torch.equal(owner, torch.arange(len(batch))[:, None].expand_as(owner))
+            packed = _logprobs(packed_logits, rows, batch)
 
-        # The kernel computes in fp32: log-probs of size ~20 round at ~1e-6 relative.
-        torch.testing.assert_close(padded.double(), expected, atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(packed.double(), expected, atol=1e-6, rtol=1e-6)
+            # The kernel computes in fp32: log-probs of size ~20 round at ~1e-6 relative.
+            torch.testing.assert_close(padded.double(), expected, atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(packed.double(), expected, atol=1e-6, rtol=1e-6)
