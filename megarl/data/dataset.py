@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +94,7 @@ def open_parquet(file: str) -> pq.ParquetFile:
     return parquet
 
 
-def checked_batches(file: str, batch_size: int = 65536) -> Iterator[tuple[pa.RecordBatch, list[dict]]]:
+def checked_batches(file: str, batch_size: int = 8192) -> Iterator[tuple[pa.RecordBatch, list[dict]]]:
     """The file's record batches, each with its rows validated (defaults filled in): memory bounded
     by one batch whatever the file's length; ValueError on the first problem."""
     parquet = open_parquet(file)
@@ -163,3 +164,13 @@ def read_records(path: str | Path) -> list[dict]:
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
     return loaded if isinstance(loaded, list) else [loaded]
+
+
+@dataclass
+class Prompt:
+    prompt_ids: list[int]
+    data_source: str
+    ground_truth: str
+    extra_info: dict
+    index: int
+    """Position in the concatenated files, before filtering."""

@@ -25,13 +25,12 @@ import logging
 import os
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
-from megarl.data.dataset import checked_batches, open_parquet
+from megarl.data.dataset import Prompt, checked_batches, open_parquet
 from megarl.data.tokenization import doubled_bos_error, special_prefix, unchecked_prompt_ids, uses_chat_template
 
 logger = logging.getLogger(__name__)
@@ -39,18 +38,8 @@ logger = logging.getLogger(__name__)
 CACHE_FORMAT = 1
 """Bump when the cache's columns change, so old caches are not read."""
 
-DEFAULT_CACHE_DIR = Path(tempfile.gettempdir()) / "megarl-prompt-cache"
-"""Node-local: the ranks of a node share one cache, each node builds its own."""
-
-
-@dataclass
-class Prompt:
-    prompt_ids: list[int]
-    data_source: str
-    ground_truth: str
-    extra_info: dict
-    index: int
-    """Position in the concatenated files, before filtering."""
+DEFAULT_CACHE_DIR = Path(tempfile.gettempdir()) / f"megarl-prompt-cache-{os.getuid()}"
+"""Node-local and per user: the ranks of a node share one cache, each node builds its own."""
 
 
 class PromptDataset:
@@ -73,8 +62,10 @@ class PromptDataset:
         for file in self.files:  # footer checks of every file first: a typo fails before any tokenizing
             open_parquet(file)
         self.tables, self.num_built = [], 0
+        tokenization = _tokenizer_fingerprint(tokenizer, apply_chat_template)
         for file in self.files:
-            table, built = _mapped_tokens(file, tokenizer, apply_chat_template, Path(cache_dir or DEFAULT_CACHE_DIR))
+            table, built = _mapped_tokens(file, tokenizer, apply_chat_template, tokenization,
+                                          Path(cache_dir or DEFAULT_CACHE_DIR))
             self.tables.append(table)
             self.num_built += built
         self.starts = np.cumsum([0] + [table.num_rows for table in self.tables])
@@ -114,9 +105,12 @@ def _lengths(table: pa.Table) -> np.ndarray:
     return np.concatenate([np.diff(chunk.offsets.to_numpy()) for chunk in table.column("prompt_ids").chunks])
 
 
-def _mapped_tokens(file: str, tokenizer, apply_chat_template: bool, cache_dir: Path) -> tuple[pa.Table, bool]:
+def _mapped_tokens(file: str, tokenizer, apply_chat_template: bool, tokenization: str,
+                   cache_dir: Path) -> tuple[pa.Table, bool]:
     """The file's tokenized cache, memory-mapped (built first if missing), and whether this call built it."""
-    path = cache_dir / f"{Path(file).stem}-{_fingerprint(file, tokenizer, apply_chat_template)}.arrow"
+    stat = os.stat(file)
+    parts = (CACHE_FORMAT, str(Path(file).resolve()), stat.st_size, stat.st_mtime_ns, tokenization)
+    path = cache_dir / f"{Path(file).stem}-{hashlib.sha256(repr(parts).encode()).hexdigest()[:24]}.arrow"
     built = False
     if not path.is_file():
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -128,13 +122,14 @@ def _mapped_tokens(file: str, tokenizer, apply_chat_template: bool, cache_dir: P
     return pa.ipc.open_file(pa.memory_map(str(path))).read_all(), built
 
 
-def _fingerprint(file: str, tokenizer, apply_chat_template: bool) -> str:
-    stat = os.stat(file)
+def _tokenizer_fingerprint(tokenizer, apply_chat_template: bool) -> str:
+    """A hash of everything that decides a prompt's ids: the tokenizer's model and rules, its chat
+    template, its leading special tokens and whether the template is used."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     model = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
-    parts = (CACHE_FORMAT, str(Path(file).resolve()), stat.st_size, stat.st_mtime_ns, type(tokenizer).__name__, model,
-             tokenizer.chat_template, special_prefix(tokenizer), uses_chat_template(tokenizer, apply_chat_template))
-    return hashlib.sha256("\0".join(map(repr, parts)).encode()).hexdigest()[:24]
+    parts = (type(tokenizer).__name__, model, tokenizer.chat_template, special_prefix(tokenizer),
+             uses_chat_template(tokenizer, apply_chat_template))
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
 def _build(file: str, tokenizer, apply_chat_template: bool, path: Path) -> None:

@@ -12,7 +12,8 @@ from __future__ import annotations
 from transformers import AutoTokenizer
 
 from megarl.algorithms import aggregate
-from megarl.data.prompt_dataset import Prompt, PromptDataset
+from megarl.data.dataset import Prompt
+from megarl.data.prompt_dataset import PromptDataset
 from megarl.data.sampler import ResumableSampler
 from megarl.data.tokenization import continuation_ids
 from megarl.engine.batch import SequenceBatch
