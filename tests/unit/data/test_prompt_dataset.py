@@ -112,8 +112,10 @@ def test_a_bad_row_fails_naming_file_and_row_and_leaves_no_cache(tmp_path, token
         message = str(error.value)
         assert "\n" not in message and message.startswith(f"{bad}: prompt 2 (1 of 3 prompts) starts with the BOS")
     assert [f.name.startswith("good-") for f in (tmp_path / "prompt-cache").glob("*.arrow")] == [True]
-    missing_ground_truth = write_rows([_row("1+2="), _row("2+2=", ground_truth=None)], tmp_path / "gt.parquet")
-    with pytest.raises(ValueError, match=rf"^{missing_ground_truth}: row 1, column 'reward_model.ground_truth'"):
+    rows = [_row("1+2=")] * 9000  # rows are read a batch at a time: the row is counted across batches
+    rows[8500] = _row("2+2=", ground_truth=None)
+    missing_ground_truth = write_rows(rows, tmp_path / "gt.parquet")
+    with pytest.raises(ValueError, match=rf"^{missing_ground_truth}: row 8500, column 'reward_model.ground_truth'"):
         PromptDataset([missing_ground_truth], tokenizer, 64)
     assert not os.path.exists(tmp_path / "nope.parquet")
     with pytest.raises(ValueError, match="nope.parquet: data file does not exist"):  # before any tokenizing
