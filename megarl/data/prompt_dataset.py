@@ -101,8 +101,10 @@ class PromptDataset:
 
 
 def _lengths(table: pa.Table) -> np.ndarray:
-    """Token count of every row, from the list offsets alone (no token is read)."""
-    return np.concatenate([np.diff(chunk.offsets.to_numpy()) for chunk in table.column("prompt_ids").chunks])
+    """Token count of every row, from the list offsets alone (no token is read). The offsets are
+    viewed with `np.frombuffer`: pyarrow's `to_numpy` of a mapped array allocated ~0.5 MiB a call."""
+    return np.concatenate([np.diff(np.frombuffer(chunk.buffers()[1], np.int32, len(chunk) + 1, 4 * chunk.offset))
+                           for chunk in table.column("prompt_ids").chunks])
 
 
 def _mapped_tokens(file: str, tokenizer, apply_chat_template: bool, tokenization: str,
