@@ -139,7 +139,8 @@ def _build(file: str, tokenizer, apply_chat_template: bool, path: Path) -> None:
     fields = [pa.field("prompt_ids", pa.list_(pa.int32())), pa.field("data_source", pa.string()),
               pa.field("ground_truth", pa.string())]
     source_schema = open_parquet(file).schema_arrow
-    if "extra_info" in source_schema.names:  # kept as written; read back row by row
+    has_extra_info = "extra_info" in source_schema.names
+    if has_extra_info:  # kept as written; read back row by row
         fields.append(source_schema.field("extra_info"))
     schema = pa.schema(fields)
     bos = tokenizer.bos_token_id
@@ -154,7 +155,7 @@ def _build(file: str, tokenizer, apply_chat_template: bool, path: Path) -> None:
                 columns = [pa.array(ids, pa.list_(pa.int32())),
                            pa.array([row["data_source"] for row in rows], pa.string()),
                            pa.array([row["reward_model"]["ground_truth"] for row in rows], pa.string())]
-                if len(fields) == 4:
+                if has_extra_info:
                     columns.append(batch.column("extra_info"))
                 writer.write_batch(pa.record_batch(columns, schema=schema))
                 start += batch.num_rows
