@@ -32,7 +32,8 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from megarl.checkpoint.model_loading import load_model, model_problem  # noqa: E402
 from megarl.config.schema import RolloutConfig  # noqa: E402
-from megarl.data.dataset import PromptDataset, load_rows, write_rows  # noqa: E402
+from megarl.data.dataset import load_rows, write_rows  # noqa: E402
+from megarl.data.prompt_dataset import PromptDataset  # noqa: E402
 from megarl.distributed import init_layout  # noqa: E402
 from megarl.distributed.launch import init_process_group  # noqa: E402
 from megarl.doctor import MissingFeature, require  # noqa: E402
@@ -142,7 +143,7 @@ def main(argv: list[str]) -> None:
     model = model_source(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model.hf_dir)
     dataset = PromptDataset(args.data, tokenizer, args.max_prompt_length, args.apply_chat_template)
-    prompts = dataset.prompts[: args.max_samples or None]
+    prompts = [dataset[i] for i in range(min(args.max_samples or len(dataset), len(dataset)))]
     engine = start_engine(args, model)
     stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     sampling = Sampling(n=args.num_samples, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

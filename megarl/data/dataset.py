@@ -1,4 +1,4 @@
-"""Prompt rows in the common RL parquet layout: reading, validating, writing, tokenizing.
+"""Prompt rows in the common RL parquet layout: reading, validating, writing.
 
 One row: `prompt` (list of `{role, content}` messages, or a plain string for base models; with
 some text), `data_source` (str, selects the rule scorer), `ability` (str), `reward_model`
@@ -12,7 +12,7 @@ pyarrow counts) and the column, and saying what was expected.
 from __future__ import annotations
 
 import json
-import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,10 +20,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from megarl.data.tokenization import prompt_ids
 from megarl.messages import one_line
-
-logger = logging.getLogger(__name__)
 
 REQUIRED_COLUMNS = ("prompt", "data_source", "reward_model")
 PROMPT_EXPECTED = "a non-empty list of {role: str, content: str} dicts or a str"
@@ -73,7 +70,46 @@ def _read_table(file: str) -> pa.Table:
     try:
         return pq.read_table(file)
     except Exception as exc:  # ArrowInvalid, OSError...: whatever pyarrow says, it is not a parquet file
-        raise ValueError(f"{file}: cannot read as parquet ({type(exc).__name__}: {one_line(exc)})") from exc
+        raise _not_parquet(file, exc) from exc
+
+
+def _not_parquet(file: str, exc: Exception) -> ValueError:
+    return ValueError(f"{file}: cannot read as parquet ({type(exc).__name__}: {one_line(exc)})")
+
+
+def open_parquet(file: str) -> pq.ParquetFile:
+    """The file, checked from its footer alone: it exists, is parquet, has the required columns and rows."""
+    if not Path(file).is_file():
+        raise ValueError(f"{file}: data file does not exist")
+    try:
+        parquet = pq.ParquetFile(file)
+    except Exception as exc:
+        raise _not_parquet(file, exc) from exc
+    columns = parquet.schema_arrow.names
+    for column in REQUIRED_COLUMNS:
+        if column not in columns:
+            raise ValueError(f"{file}: missing column {column!r} (columns: {', '.join(columns)})")
+    if parquet.metadata.num_rows == 0:
+        raise ValueError(f"{file}: the file has 0 rows")
+    return parquet
+
+
+def checked_batches(file: str, batch_size: int = 8192) -> Iterator[tuple[pa.RecordBatch, list[dict]]]:
+    """The file's record batches, each with its rows validated (defaults filled in): memory bounded
+    by one batch whatever the file's length; ValueError on the first problem."""
+    parquet = open_parquet(file)
+    start = 0
+    batches = parquet.iter_batches(batch_size)
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception as exc:  # a page that does not decode
+            raise _not_parquet(file, exc) from exc
+        if batch is None:
+            return
+        records = batch.to_pylist(maps_as_pydicts="strict")
+        yield batch, [_check_row(file, start + index, row) for index, row in enumerate(records)]
+        start += batch.num_rows
 
 
 def load_rows(files: list[str]) -> list[dict]:
@@ -82,17 +118,7 @@ def load_rows(files: list[str]) -> list[dict]:
         files = [files]
     if not files:
         raise ValueError("no data files given")
-    rows: list[dict] = []
-    for file in map(str, files):
-        table = _read_table(file)
-        for column in REQUIRED_COLUMNS:
-            if column not in table.column_names:
-                raise ValueError(f"{file}: missing column {column!r} (columns: {', '.join(table.column_names)})")
-        if table.num_rows == 0:
-            raise ValueError(f"{file}: the file has 0 rows")
-        records = table.to_pylist(maps_as_pydicts="strict")
-        rows.extend(_check_row(file, index, row) for index, row in enumerate(records))
-    return rows
+    return [row for file in map(str, files) for _, rows in checked_batches(file) for row in rows]
 
 
 def write_rows(rows: list[dict], path: str | Path) -> Path:
@@ -148,38 +174,3 @@ class Prompt:
     extra_info: dict
     index: int
     """Position in the concatenated files, before filtering."""
-
-
-class PromptDataset:
-    """Tokenized prompts of parquet files; prompts over `max_prompt_length` tokens are dropped.
-
-    Chat messages go through the tokenizer's chat template (with the generation prompt) when
-    `apply_chat_template` is set and the tokenizer has one; otherwise, and always for a plain
-    string prompt, the raw text is used (message contents joined by newlines). Special tokens are
-    those of the template, or the tokenizer's for raw text (`megarl.data.tokenization`).
-    """
-
-    def __init__(self, files: list[str], tokenizer, max_prompt_length: int, apply_chat_template: bool = True):
-        if max_prompt_length < 1:
-            raise ValueError(f"max_prompt_length must be at least 1, got {max_prompt_length}")
-        self.files = [str(f) for f in ([files] if isinstance(files, (str, Path)) else files)]
-        rows = load_rows(self.files)
-        all_ids = prompt_ids([row["prompt"] for row in rows], tokenizer, apply_chat_template,
-                             source=", ".join(self.files))
-        self.prompts = [
-            Prompt(ids, row["data_source"], row["reward_model"]["ground_truth"], row["extra_info"], index)
-            for index, (row, ids) in enumerate(zip(rows, all_ids)) if len(ids) <= max_prompt_length
-        ]
-        self.num_filtered = len(rows) - len(self.prompts)
-        if not self.prompts:
-            raise ValueError(f"all {len(rows)} prompts of {', '.join(self.files)} are longer than "
-                             f"max_prompt_length={max_prompt_length} tokens")
-        if self.num_filtered:
-            logger.warning("filtered %d of %d prompts longer than %d tokens from %s",
-                           self.num_filtered, len(rows), max_prompt_length, ", ".join(self.files))
-
-    def __len__(self) -> int:
-        return len(self.prompts)
-
-    def __getitem__(self, i: int) -> Prompt:
-        return self.prompts[i]

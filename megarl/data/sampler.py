@@ -28,15 +28,17 @@ class ResumableSampler:
         self.drop_last = drop_last
         self.epoch = 0
         self.position = 0
-        self._order: list[int] | None = None  # the current epoch's order, computed lazily
+        # The current epoch's order, computed lazily; a tensor (8 bytes an item), not a list of
+        # Python ints (36): with a million prompts the order is the largest thing a rank holds per row.
+        self._order: torch.Tensor | None = None
 
-    def _epoch_order(self) -> list[int]:
+    def _epoch_order(self) -> torch.Tensor:
         if self._order is None:
             if self.shuffle:
                 generator = torch.Generator().manual_seed(derive_seed(self.seed, "prompt_order", draw=self.epoch))
-                self._order = torch.randperm(self.num_items, generator=generator).tolist()
+                self._order = torch.randperm(self.num_items, generator=generator)
             else:
-                self._order = list(range(self.num_items))
+                self._order = torch.arange(self.num_items)
         return self._order
 
     def _epoch_exhausted(self) -> bool:
@@ -47,7 +49,7 @@ class ResumableSampler:
         """The next `batch_size` indices (fewer only at an epoch's end without drop_last)."""
         if self._epoch_exhausted():
             self.epoch, self.position, self._order = self.epoch + 1, 0, None
-        batch = self._epoch_order()[self.position:self.position + self.batch_size]
+        batch = self._epoch_order()[self.position:self.position + self.batch_size].tolist()
         self.position += len(batch)
         return batch
 

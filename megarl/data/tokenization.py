@@ -49,21 +49,32 @@ def prompt_ids(prompts: list[PromptText], tokenizer, apply_chat_template: bool,
                source: str = "prompts") -> list[list[int]]:
     """Token ids of each prompt as the model expects them; ValueError naming `source` and the
     prompt's index if one starts with BOS twice."""
+    result = unchecked_prompt_ids(prompts, tokenizer, apply_chat_template)
+    bos = tokenizer.bos_token_id
+    doubled = [i for i, ids in enumerate(result) if bos is not None and ids[:2] == [bos, bos]]
+    if doubled:
+        raise doubled_bos_error(source, doubled[0], len(doubled), len(result), tokenizer, apply_chat_template)
+    return result
+
+
+def unchecked_prompt_ids(prompts: list[PromptText], tokenizer, apply_chat_template: bool) -> list[list[int]]:
+    """`prompt_ids` without the doubled-BOS check, for a caller that checks many chunks as one whole."""
     use_template = uses_chat_template(tokenizer, apply_chat_template)
     texts = [render(prompt, tokenizer, use_template) for prompt in prompts]
     all_ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     prefix = special_prefix(tokenizer)
-    result = [list(ids) if use_template and not isinstance(prompt, str) else prefix + list(ids)
-              for prompt, ids in zip(prompts, all_ids)]
-    bos = tokenizer.bos_token_id
-    doubled = [i for i, ids in enumerate(result) if bos is not None and ids[:2] == [bos, bos]]
-    if doubled:
-        how = ("the chat template writes one" if use_template
-               else "the tokenizer adds one to raw text (data.apply_chat_template=false or no chat template)")
-        raise ValueError(f"{source}: prompt {doubled[0]} ({len(doubled)} of {len(result)} prompts) starts with the "
-                         f"BOS token {tokenizer.bos_token!r} twice: {how} and the prompt text holds another; "
-                         "remove it from the text or set data.apply_chat_template to match the data")
-    return result
+    return [list(ids) if use_template and not isinstance(prompt, str) else prefix + list(ids)
+            for prompt, ids in zip(prompts, all_ids)]
+
+
+def doubled_bos_error(source: str, first: int, num_doubled: int, num_prompts: int, tokenizer,
+                      apply_chat_template: bool) -> ValueError:
+    """The error for prompts that start with BOS twice: the first one's index and how many."""
+    how = ("the chat template writes one" if uses_chat_template(tokenizer, apply_chat_template)
+           else "the tokenizer adds one to raw text (data.apply_chat_template=false or no chat template)")
+    return ValueError(f"{source}: prompt {first} ({num_doubled} of {num_prompts} prompts) starts with the "
+                      f"BOS token {tokenizer.bos_token!r} twice: {how} and the prompt text holds another; "
+                      "remove it from the text or set data.apply_chat_template to match the data")
 
 
 def continuation_ids(text: str, tokenizer) -> list[int]:

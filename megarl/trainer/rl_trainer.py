@@ -29,7 +29,7 @@ from megarl.algorithms import (
 )
 from megarl.checkpoint import Checkpointer
 from megarl.config.schema import EngineConfig
-from megarl.data.dataset import PromptDataset
+from megarl.data.prompt_dataset import PromptDataset
 from megarl.data.sampler import ResumableSampler
 from megarl.engine.megatron_engine import MegatronEngine
 from megarl.rewards import RewardManager, load_scoring_function, token_level_scores
@@ -61,6 +61,9 @@ class RLTrainer:
                                         data.apply_chat_template)
         self.val_data = (PromptDataset(data.val_files, self.tokenizer, data.max_prompt_length,
                                        data.apply_chat_template) if data.val_files else None)
+        if self.layout.rank == 0:
+            validation = f"; validation: {self.val_data.describe()}" if self.val_data is not None else ""
+            print(f"training data: {self.train_data.describe()}{validation}", flush=True)
         self.sampler = ResumableSampler(len(self.train_data), data.train_batch_size, config.trainer.seed,
                                         shuffle=data.shuffle)
         self.rewards = RewardManager(load_scoring_function(config.reward.function), config.reward.timeout_seconds)

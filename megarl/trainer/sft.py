@@ -12,7 +12,8 @@ from __future__ import annotations
 from transformers import AutoTokenizer
 
 from megarl.algorithms import aggregate
-from megarl.data.dataset import Prompt, PromptDataset
+from megarl.data.dataset import Prompt
+from megarl.data.prompt_dataset import PromptDataset
 from megarl.data.sampler import ResumableSampler
 from megarl.data.tokenization import continuation_ids
 from megarl.engine.batch import SequenceBatch
@@ -42,7 +43,7 @@ class SFTTrainer:
         self.data = PromptDataset(config.data.train_files, self.tokenizer, config.data.max_prompt_length,
                                   config.data.apply_chat_template)
         self.responses = [response_ids(prompt, self.tokenizer, config.data.max_response_length)
-                          for prompt in self.data.prompts]
+                          for prompt in self.data]
         self.sampler = ResumableSampler(len(self.data), config.data.train_batch_size, config.trainer.seed,
                                         shuffle=config.data.shuffle)
         run.save_config()
