@@ -1,8 +1,12 @@
 """Generation across the colocated engines, and the batch every rank then holds.
 
-Engines are replicas of TP_r consecutive ranks; replica k generates for prompts k, k + K, ... of
-the step (K replicas) and scores its responses with the reward function. One all-gather then gives
-every rank all responses, in prompt order, n per prompt (prompt-major).
+Engines are replicas of TP_r consecutive ranks; replica k of K generates for the k-th of K
+contiguous blocks of the step's prompts. A prompt's samples are seeded by its position in the step
+(request i of a call samples with `Sampling.seed + i`, and a block starting at prompt s calls with
+seed + s), so they do not depend on the number of replicas: DP1 and DP2 generate the same responses.
+The replica's first rank alone decodes and scores them, so the reward function sees every response
+once whatever TP_r is. One all-gather then gives every rank all responses, in prompt order, n per
+prompt (prompt-major).
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from megarl.data.dataset import Prompt
 from megarl.engine.batch import SequenceBatch, right_pad
 from megarl.rewards.manager import RewardFunctionError, RewardManager, ScoringItem
 from megarl.rollout.base import RolloutEngine, Sampling
-from megarl.seeding import derive_seed
 
 
 @dataclass
@@ -77,15 +80,16 @@ def collect_rollouts(prompts: list[Prompt], engine: RolloutEngine, sampling: Sam
     """Generate and score `sampling.n` responses per prompt on the engine replicas; all ranks return all."""
     rank, world = dist.get_rank(), dist.get_world_size()
     replica, num_replicas = rank // engine_tp, world // engine_tp
-    mine = list(range(replica, len(prompts), num_replicas))
+    start, stop = replica * len(prompts) // num_replicas, (replica + 1) * len(prompts) // num_replicas
     local = Rollouts()
-    if mine:
-        output = engine.generate([prompts[i].prompt_ids for i in mine],
-                                 replace(sampling, seed=derive_seed(sampling.seed, "engine_replica", replica=replica)))
-        local.prompts = [prompts[i] for i in mine for _ in range(sampling.n)]
-        local.group_ids = [i for i in mine for _ in range(sampling.n)]
+    if stop > start:
+        output = engine.generate([p.prompt_ids for p in prompts[start:stop]],
+                                 replace(sampling, seed=sampling.seed + start))
+        local.prompts = [p for p in prompts[start:stop] for _ in range(sampling.n)]
+        local.group_ids = [i for i in range(start, stop) for _ in range(sampling.n)]
         local.response_ids, local.rollout_logprobs = output.response_ids, output.logprobs
         local.finish_reasons = output.finish_reasons
+    if stop > start and rank % engine_tp == 0:  # the replica's other ranks hold the same responses
         texts = tokenizer.batch_decode(output.response_ids, skip_special_tokens=True)
         result = rewards.score([ScoringItem(p.data_source, text, p.ground_truth, p.extra_info)
                                 for p, text in zip(local.prompts, texts)])
