@@ -113,8 +113,9 @@ def worker(model_dir: str, tp: int) -> None:
     batch.response_tensors["old_logprobs"] = engine.score(batch)["logprobs"]
     loss = actor_loss(config, MAX_RESPONSE)
     seconds = {"megarl": [], "plain": []}
+    groups = torch.arange(len(batch))  # one sample per prompt: each sequence its own group
     for step in range(WARMUP + STEPS):
-        for name, run in (("megarl", lambda: engine.update(batch, loss, 1, seed=0, step=step)),
+        for name, run in (("megarl", lambda: engine.update(batch, groups, len(batch), loss, seed=0, step=step)),
                           ("plain", lambda: plain.step(batch))):
             dist.barrier()
             start = time.perf_counter()

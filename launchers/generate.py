@@ -10,9 +10,9 @@ with dummy weights (a checkpoint's `hf/` holds config and tokenizer, no weight f
 
 The prompts are read and tokenized as in training (`PromptDataset`: common parquet layout, chat
 template, prompts over --max-prompt-length dropped). Each engine replica (--engine-tp consecutive
-ranks) generates for its share of the prompts and `collect_rollouts` gathers and scores the
-responses, exactly as the trainer's validation does; rank 0 writes one row per response
-(.jsonl or .parquet). The defaults (greedy, one sample, seed 1) are the trainer's validation
+ranks) generates for its share of the prompts and `collect_rollouts` scores the responses, exactly
+as the trainer's validation does; `move_responses` brings them to rank 0, which writes one row per
+response (.jsonl or .parquet). The defaults (greedy, one sample, seed 1) are the trainer's validation
 defaults, so `launchers/evaluate.py` on the output reproduces `val/score/mean` for the same model.
 """
 
@@ -41,7 +41,7 @@ from megarl.rewards import RewardManager, load_scoring_function  # noqa: E402
 from megarl.rollout import ROLLOUT_BACKENDS, RolloutEngine, Sampling  # noqa: E402
 from megarl.seeding import derive_seed  # noqa: E402
 from megarl.trainer.policy import EngineSettings, RolloutPolicy  # noqa: E402
-from megarl.trainer.rollouts import Rollouts, collect_rollouts  # noqa: E402
+from megarl.trainer.rollouts import Rollouts, collect_rollouts, move_responses  # noqa: E402
 from megarl.trainer.startup import exit_on_user_error  # noqa: E402
 from megarl.trainer.timing import PhaseTimer  # noqa: E402
 
@@ -151,6 +151,8 @@ def main(argv: list[str]) -> None:
                         seed=derive_seed(args.seed, "validation"))  # the trainer's validation stream
     rewards = RewardManager(load_scoring_function(args.reward_function, "--reward-function"))
     rollouts = collect_rollouts(prompts, engine, sampling, args.engine_tp, tokenizer, rewards)
+    everything_to_rank_0 = [list(range(len(rollouts)))] + [[] for _ in range(dist.get_world_size() - 1)]
+    move_responses(rollouts, everything_to_rank_0, args.engine_tp)
     if dist.get_rank() == 0:
         write_generations(output_rows(rollouts, args.num_samples, load_rows(args.data), tokenizer), Path(args.output))
         mean = sum(rollouts.scores) / len(rollouts.scores)

@@ -1,8 +1,10 @@
 """Every random stream of a run, derived from the run's seed by one function: `derive_seed`.
 
 Policy (DESIGN.md, "Policies with one home"): a stream is named by the run's seed, a purpose (a
-fixed string per kind of draw) and integer coordinates: the RL step, the engine replica, and the
-draw within that step (a DAPO filter round, a PPO epoch, a data epoch). Its seed is the BLAKE2b
+fixed string per kind of draw) and integer coordinates: the RL step, an engine replica (no stream
+splits over replicas today: a rollout's requests are seeded by their prompt's position in the step,
+so generations do not depend on the number of replicas), and the draw within that step (a DAPO
+filter round, a PPO epoch, a data epoch). Its seed is the BLAKE2b
 hash of that tuple cut to 62 bits, so distinct tuples give unrelated seeds and never collide in
 practice, however large the coordinates grow (unlike `seed * a + step * b` formulas, which collide
 once a coordinate passes a multiplier). 62 bits leave room for the per-request offsets of a
@@ -12,8 +14,7 @@ The streams (purpose: coordinates):
     "prompt_order":     draw=data epoch; the shuffled order of the training prompts
     "rollout":          step, draw=filter round; training generations (one engine call)
     "validation":       none; validation generations, the same at every validation (and in generate.py)
-    "engine_replica":   replica; splits one engine call's seed over the engine replicas
-    "mini_batch_order": step, draw=PPO epoch; the order of sequences in an update's mini-batches
+    "mini_batch_order": step, draw=PPO epoch; the order of groups in an update's mini-batches
 Model initialisation is seeded by megatron-core from the run's seed (`init_layout`).
 """
 

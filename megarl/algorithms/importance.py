@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megarl.algorithms.aggregation import masked_mean
 from megarl.algorithms.kl import k3
 
 
@@ -31,13 +30,11 @@ def truncated_importance_weights(
 
 
 @torch.no_grad()
-def rollout_mismatch_metrics(
+def rollout_mismatch_tokens(
     train_logprobs_BR: Tensor, rollout_logprobs_BR: Tensor, mask_BR: Tensor
-) -> dict[str, float]:
-    abs_diff_BR = (train_logprobs_BR - rollout_logprobs_BR).abs()
+) -> dict[str, Tensor]:
+    """|train_t - rollout_t| and k3(rollout_t, train_t) at the valid tokens, flattened: the per-token
+    values the metrics above average (over all DP ranks' tokens, in `megarl.trainer.metrics`)."""
     valid_BR = mask_BR > 0
-    return {
-        "mismatch/logprob_abs_diff_mean": masked_mean(abs_diff_BR, mask_BR).item(),
-        "mismatch/logprob_abs_diff_max": abs_diff_BR[valid_BR].max().item() if valid_BR.any() else 0.0,
-        "mismatch/kl": masked_mean(k3(rollout_logprobs_BR, train_logprobs_BR), mask_BR).item(),
-    }
+    return {"abs_diff": (train_logprobs_BR - rollout_logprobs_BR).abs()[valid_BR],
+            "kl": k3(rollout_logprobs_BR, train_logprobs_BR)[valid_BR]}

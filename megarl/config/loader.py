@@ -115,23 +115,20 @@ def validate_layout(config: RunConfig, world_size: int) -> None:
 
 
 def validate_batches(config: RunConfig, world_size: int, rl: bool) -> None:
-    """Check that every batch a training step splits over the DP ranks does split: evenly with
-    fixed-size micro-batches, at least one sequence per rank with dynamic batching. An RL update
-    takes mini-batches of `ppo_mini_batch_size` prompts times `rollout.n` (the last one may be
-    smaller); an SFT step takes `data.train_batch_size` sequences at once."""
+    """Check that every DP rank gets work. An RL step's groups (the `rollout.n` samples of a prompt)
+    are owned by DP ranks whole, so a step needs at least one prompt per DP rank; a DP rank may sit
+    out a mini-batch (`MegatronEngine.update`). An SFT step splits `data.train_batch_size`
+    sequences: evenly with fixed-size micro-batches, at least one per rank with dynamic batching."""
     actor = config.actor
     dp = world_size // (actor.tp * actor.pp * actor.cp)
     batch = config.data.train_batch_size
+    if rl and batch < dp:
+        raise ConfigError(
+            f"config key 'data.train_batch_size' = {batch} gives fewer prompts than the {dp} DP ranks, which "
+            f"each own whole groups of a prompt's samples; allowed: at least {dp}"
+        )
     if not rl:
         _check_splits("data.train_batch_size", batch, batch, 1, actor.use_dynamic_batch_size, dp)
-        return
-    for section, engine in (("actor", actor), *((("critic", config.critic),) if config.critic.enable else ())):
-        mini = min(engine.ppo_mini_batch_size, batch)
-        _check_splits(f"{section}.ppo_mini_batch_size", engine.ppo_mini_batch_size, mini, config.rollout.n,
-                      engine.use_dynamic_batch_size, dp)
-        if batch % mini:
-            _check_splits("data.train_batch_size", batch, batch % mini, config.rollout.n,
-                          engine.use_dynamic_batch_size, dp)
 
 
 def _check_splits(key: str, value: int, prompts: int, samples_per_prompt: int, dynamic: bool, dp: int) -> None:

@@ -1,32 +1,50 @@
-"""Splitting a batch over DP ranks and into micro-batches; every sample is used exactly once.
+"""Splitting a step's work over DP ranks and into micro-batches; every sample is used exactly once.
 
-Fixed mode: each DP rank takes B / DP sequences and cuts them into micro-batches of a fixed size.
-Dynamic mode: micro-batches are filled under a token budget per rank. In both modes sequences are
-dealt to DP ranks longest first, each to the rank with the fewest tokens so far (the LPT rule),
-which keeps per-rank work within one sequence of balanced.
+Over DP: items (sequences, or an RL step's groups: the n responses of one prompt) are dealt longest
+first, each to the rank with the fewest tokens so far (the LPT rule, as verl's sequence balancing),
+which keeps per-rank work within one item of balanced. An RL update cuts the step's groups into
+mini-batches in a seeded order that does not depend on DP (`mini_batch_groups`), and each DP rank
+owns a balanced part of every mini-batch of the first epoch (`owned_groups`).
+
+Into micro-batches: fixed mode cuts a rank's share into micro-batches of a fixed size; dynamic
+mode fills micro-batches under a token budget per rank.
 """
 
 from __future__ import annotations
 
 import torch
 
+from megarl.seeding import derive_seed
 
-def split_over_data_parallel(lengths_B: torch.Tensor, dp: int, equal_counts: bool) -> list[list[int]]:
-    """Sequence indices for each DP rank, balancing tokens; with `equal_counts` each rank gets B/DP."""
-    batch_size = len(lengths_B)
-    if batch_size < dp or (equal_counts and batch_size % dp):
-        need = "a multiple of" if equal_counts else "at least"
-        raise ValueError(f"batch of {batch_size} sequences cannot be split over {dp} DP ranks; need {need} {dp}")
-    capacity = batch_size // dp if equal_counts else batch_size
+
+def balance_over_data_parallel(tokens: list[int], dp: int) -> list[list[int]]:
+    """Item indices for each DP rank, balancing tokens; ranks still empty come first, so that every
+    rank receives work while items last."""
     ranks: list[list[int]] = [[] for _ in range(dp)]
-    tokens = [0] * dp
-    for index in sorted(range(batch_size), key=lambda i: -int(lengths_B[i])):
-        open_ranks = [r for r in range(dp) if len(ranks[r]) < capacity]
-        # Ranks still empty come first so that every rank receives work.
-        rank = min(open_ranks, key=lambda r: (len(ranks[r]) > 0, tokens[r]))
+    loads = [0] * dp
+    for index in sorted(range(len(tokens)), key=lambda i: -tokens[i]):
+        rank = min(range(dp), key=lambda r: (len(ranks[r]) > 0, loads[r]))
         ranks[rank].append(index)
-        tokens[rank] += int(lengths_B[index])
+        loads[rank] += tokens[index]
     return [sorted(indices) for indices in ranks]
+
+
+def mini_batch_groups(num_groups: int, groups_per_mini_batch: int, seed: int, step: int, epoch: int
+                      ) -> list[list[int]]:
+    """The groups of each mini-batch of an update's epoch: a permutation drawn from the run's `seed`
+    for this step and epoch (`megarl.seeding`), cut into mini-batches; the same at any layout."""
+    generator = torch.Generator().manual_seed(derive_seed(seed, "mini_batch_order", step=step, draw=epoch))
+    order = torch.randperm(num_groups, generator=generator).tolist()
+    return [order[i : i + groups_per_mini_batch] for i in range(0, num_groups, groups_per_mini_batch)]
+
+
+def owned_groups(group_tokens: list[int], mini_batches: list[list[int]], dp: int) -> list[list[int]]:
+    """The groups each DP rank owns: every mini-batch balanced over the ranks by tokens."""
+    owners: list[list[int]] = [[] for _ in range(dp)]
+    for groups in mini_batches:
+        for rank, picks in enumerate(balance_over_data_parallel([group_tokens[g] for g in groups], dp)):
+            owners[rank] += [groups[i] for i in picks]
+    return [sorted(groups) for groups in owners]
 
 
 def fixed_micro_batches(indices: list[int], micro_batch_size: int) -> list[list[int]]:
@@ -59,7 +77,6 @@ def budgeted_micro_batches(indices: list[int], lengths_B: torch.Tensor, max_toke
         num_bins += 1
 
 
-def token_imbalance(lengths_B: torch.Tensor, ranks: list[list[int]]) -> float:
+def token_imbalance(tokens_per_rank: list[int]) -> float:
     """Most-loaded DP rank's tokens over the mean (1.0 is perfect balance)."""
-    tokens = [sum(int(lengths_B[i]) for i in indices) for indices in ranks]
-    return max(tokens) / (sum(tokens) / len(tokens))
+    return max(tokens_per_rank) / (sum(tokens_per_rank) / len(tokens_per_rank))

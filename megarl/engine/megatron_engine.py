@@ -1,16 +1,16 @@
 """One Megatron model on this rank (actor, critic, reference or reward): scoring and training.
 
-Every rank holds the whole batch. The engine deals sequences to DP ranks (balancing tokens), cuts
-each rank's share into micro-batches, runs them through megatron-core's pipeline schedule, and
-hands the results back to every rank: scores are broadcast from the last pipeline stage and
-all-gathered over DP, so `score()` returns the full (B, R) tensors everywhere.
+Each DP rank passes its own share of the step (`megarl.engine.batching`; the TP and PP ranks of a
+DP rank pass the same share). The engine cuts it into micro-batches, runs them through
+megatron-core's pipeline schedule, and returns the share's results: scores are broadcast from the
+last pipeline stage to the other stages, never gathered over DP.
 
 On GPU with Transformer Engine, micro-batches are packed (THD): sequences are concatenated
 without padding and attention restarts at each boundary (`PackedSeqParams`). Elsewhere they are
 right-padded to the micro-batch's longest sequence.
 
-Losses are normalised by *global* counts (tokens or sequences of the whole mini-batch, known to
-every rank), so gradients are summed, not averaged, over micro-batches and DP ranks
+Losses are normalised by *global* counts (tokens or sequences of the whole mini-batch, summed over
+the DP ranks' shares), so gradients are summed, not averaged, over micro-batches and DP ranks
 (`calculate_per_token_loss`): the update equals a single big-batch step at any layout.
 """
 
@@ -33,12 +33,11 @@ from megarl.config.schema import EngineConfig, ModelConfig
 from megarl import device
 from megarl.distributed.layout import ParallelLayout
 from megarl.engine.batch import SequenceBatch
-from megarl.engine.batching import budgeted_micro_batches, fixed_micro_batches, split_over_data_parallel, token_imbalance
+from megarl.engine.batching import budgeted_micro_batches, fixed_micro_batches, mini_batch_groups, token_imbalance
 from megarl.engine.memory import MemoryPhases
 from megarl.engine.packing import pack, response_output_rows
 from megarl.models.builder import ScheduleSettings, resolve_layer_spec
 from megarl.models.hf_interop import load_hf_model
-from megarl.seeding import derive_seed
 
 
 @dataclass(frozen=True)
@@ -128,18 +127,13 @@ class MegatronEngine:
 
     # ---- planning -------------------------------------------------------------------------------
 
-    def _plan(self, batch: SequenceBatch) -> tuple[list[list[int]], list[list[int]]]:
-        """(indices of every DP rank, this rank's micro-batches as index lists)."""
+    def _micro_batches(self, batch: SequenceBatch) -> list[list[int]]:
+        """This rank's share cut into micro-batches (index lists into `batch`)."""
         batch.validate(self.arch.max_position_embeddings)
-        lengths = batch.sequence_lengths_B
-        dynamic = self.config.use_dynamic_batch_size
-        ranks = split_over_data_parallel(lengths, self.layout.dp, equal_counts=not dynamic)
-        mine = ranks[self.layout.dp_rank]
-        if dynamic:
-            micro = budgeted_micro_batches(mine, lengths, self.config.max_token_len_per_rank)
-        else:
-            micro = fixed_micro_batches(mine, self.config.micro_batch_size_per_rank)
-        return ranks, micro
+        indices = list(range(len(batch)))
+        if self.config.use_dynamic_batch_size:
+            return budgeted_micro_batches(indices, batch.sequence_lengths_B, self.config.max_token_len_per_rank)
+        return fixed_micro_batches(indices, self.config.micro_batch_size_per_rank)
 
     def _run_schedule(self, batch: SequenceBatch, micro: list[list[int]], loss_func, forward_only: bool) -> list:
         micro_batches = [batch.select(indices) for indices in micro]
@@ -202,9 +196,9 @@ class MegatronEngine:
 
     @torch.no_grad()
     def score(self, batch: SequenceBatch, temperature: float = 1.0) -> dict[str, torch.Tensor]:
-        """Per-token (B, R) log-probs and entropy of the responses (or values), on every rank."""
+        """Per-token (B, R) log-probs and entropy of the responses (or values) of this DP rank's share."""
         self.model.eval()
-        ranks, micro = self._plan(batch)
+        micro = self._micro_batches(batch)
 
         def collect(micro_batch, output):
             return torch.zeros((), device=output.device), torch.tensor(0), self._response_outputs(
@@ -212,52 +206,47 @@ class MegatronEngine:
             )
 
         collected = self._run_schedule(batch, micro, collect, forward_only=True)
-        return self._gather_outputs(batch, ranks, micro, collected)
+        return self._assemble_outputs(batch, micro, collected)
 
-    def _gather_outputs(self, batch: SequenceBatch, ranks: list[list[int]], micro: list[list[int]],
-                        per_micro_batch: list[dict]) -> dict[str, torch.Tensor]:
-        """This rank's per-micro-batch (b, R) outputs (on the last stage) -> full (B, R) tensors on every rank."""
+    def _assemble_outputs(self, batch: SequenceBatch, micro: list[list[int]],
+                          per_micro_batch: list[dict]) -> dict[str, torch.Tensor]:
+        """Per-micro-batch (b, R) outputs of the last stage -> (B, R) tensors of the share, on every
+        stage (broadcast over PP), on the CPU."""
         names = ("values",) if self.arch.value_model else ("logprobs", "entropy")
-        width = batch.max_response_length
-        mine = ranks[self.layout.dp_rank]
-        local = {name: torch.zeros(len(mine), width, device=device.compute_device()) for name in names}
+        outputs_BR = {name: torch.zeros(len(batch), batch.max_response_length, device=device.compute_device())
+                      for name in names}
         if self.layout.is_last_stage:
-            row_of = {index: row for row, index in enumerate(mine)}
             for indices, outputs in zip(micro, per_micro_batch):
-                rows = [row_of[index] for index in indices]
                 for name in names:
-                    local[name][rows, : outputs[name].shape[1]] = outputs[name]
-        return {name: self._share(local[name], ranks, len(batch)) for name in names}
-
-    def _share(self, local_bR: torch.Tensor, ranks: list[list[int]], batch_size: int) -> torch.Tensor:
-        """Last stage -> all stages (broadcast over PP), then all DP ranks (gather), in batch order."""
-        layout = self.layout
-        if layout.pp > 1:
-            last_stage = dist.get_process_group_ranks(layout.pp_group)[-1]
-            dist.broadcast(local_bR, src=last_stage, group=layout.pp_group)
-        # Row k of local_bR is sequence ranks[dp_rank][k].
-        padded = max(len(indices) for indices in ranks)
-        send = torch.zeros(padded, local_bR.shape[1], device=local_bR.device)
-        send[: local_bR.shape[0]] = local_bR
-        gathered = [torch.empty_like(send) for _ in range(layout.dp)]
-        dist.all_gather(gathered, send, group=layout.dp_group)
-        result = torch.zeros(batch_size, local_bR.shape[1], device=local_bR.device)
-        for rank_rows, indices in zip(gathered, ranks):
-            result[indices] = rank_rows[: len(indices)]
-        return result.cpu()
+                    outputs_BR[name][indices, : outputs[name].shape[1]] = outputs[name]
+        if self.layout.pp > 1:
+            last_stage = dist.get_process_group_ranks(self.layout.pp_group)[-1]
+            for name in names:
+                dist.broadcast(outputs_BR[name], src=last_stage, group=self.layout.pp_group)
+        return {name: value.cpu() for name, value in outputs_BR.items()}
 
     # ---- training ---------------------------------------------------------------------------------
 
     def train_mini_batch(self, batch: SequenceBatch, loss_fn: LossFn, temperature: float = 1.0,
-                         keep_outputs: bool = False) -> tuple[dict[str, float], dict[str, torch.Tensor] | None]:
-        """One optimizer step on `batch` (the whole mini-batch, on every rank). Returns its metrics (the
-        loss terms summed over micro-batches and DP ranks, grad norm, learning rate, DP imbalance) and,
-        with `keep_outputs`, the forward's per-token outputs as `score()` gives them: the model's
-        before this step, at no extra cost."""
+                         keep_outputs: bool = False, idle: bool = False
+                         ) -> tuple[dict[str, float], dict[str, torch.Tensor] | None]:
+        """One optimizer step on a mini-batch, of which `batch` is this DP rank's share. Returns its
+        metrics (the loss terms summed over micro-batches and DP ranks, grad norm, learning rate, DP
+        imbalance) and, with `keep_outputs`, the forward's per-token outputs of the share as `score()`
+        gives them: the model's before this step, at no extra cost.
+
+        `idle`: this DP rank holds none of the mini-batch; `batch` is a stand-in run with zero weight,
+        so that the rank still takes part in the gradient reduction and the optimizer's collectives."""
         assert self.optimizer is not None, "engine was built without an optimizer (inference only)"
         self.model.train()
-        ranks, micro = self._plan(batch)
-        normalizer = LossNormalizer(int(batch.response_lengths_B.sum()), len(batch))
+        micro = self._micro_batches(batch)
+        weight = 0.0 if idle else 1.0
+        # (response tokens, sequences, all tokens) of each DP rank's share: the loss normalizer and the balance.
+        counts = weight * torch.tensor([batch.response_lengths_B.sum(), len(batch), batch.sequence_lengths_B.sum()])
+        counts_per_rank = [torch.zeros(3, dtype=torch.float64) for _ in range(self.layout.dp)]
+        dist.all_gather(counts_per_rank, counts.double(), group=self.layout.dp_group)
+        num_tokens, num_sequences, _ = map(int, sum(counts_per_rank))
+        normalizer = LossNormalizer(num_tokens, num_sequences)
         kept = []
 
         def loss_func(micro_batch, output):
@@ -265,13 +254,13 @@ class MegatronEngine:
             if keep_outputs:
                 kept.append({name: value.detach() for name, value in outputs.items()})
             loss, metrics = loss_fn(outputs, micro_batch, normalizer)
-            reported = {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
-            return loss, torch.tensor(int(micro_batch.response_lengths_B.sum())), reported
+            reported = {"loss": loss.detach() * weight, **{k: v.detach() * weight for k, v in metrics.items()}}
+            return loss * weight, torch.tensor(int(micro_batch.response_lengths_B.sum() * weight)), reported
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         collected = self._run_schedule(batch, micro, loss_func, forward_only=False)
-        outputs = self._gather_outputs(batch, ranks, micro, kept) if keep_outputs else None
+        outputs = self._assemble_outputs(batch, micro, kept) if keep_outputs else None
         update_successful, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         metrics = self._reduce_metrics(collected)
@@ -279,7 +268,7 @@ class MegatronEngine:
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             lr=self.optimizer.param_groups[0]["lr"],
             update_skipped=float(not update_successful),
-            dp_token_imbalance=token_imbalance(batch.sequence_lengths_B, ranks),
+            dp_token_imbalance=token_imbalance([float(c[2]) for c in counts_per_rank]),
         )
         return metrics, outputs
 
@@ -298,32 +287,31 @@ class MegatronEngine:
             metrics = box[0]
         return metrics
 
-    def is_single_step(self, batch_size: int, samples_per_prompt: int) -> bool:
-        """Whether `update` on a batch of `batch_size` sequences is one optimizer step on all of it."""
-        return self.config.ppo_epochs == 1 and self.config.ppo_mini_batch_size * samples_per_prompt >= batch_size
+    def is_single_step(self, num_groups: int) -> bool:
+        """Whether `update` on a step of `num_groups` groups is one optimizer step on all of it."""
+        return self.config.ppo_epochs == 1 and self.config.ppo_mini_batch_size >= num_groups
 
-    def update(self, batch: SequenceBatch, loss_fn: LossFn, samples_per_prompt: int, seed: int, step: int,
-               temperature: float = 1.0, keep_outputs: bool = False
+    def update(self, batch: SequenceBatch, group_ids_B: torch.Tensor, num_groups: int, loss_fn: LossFn, seed: int,
+               step: int, temperature: float = 1.0, keep_outputs: bool = False
                ) -> tuple[list[dict[str, float]], dict[str, torch.Tensor] | None]:
-        """`ppo_epochs` passes over `batch` in shuffled mini-batches of `ppo_mini_batch_size` prompts
-        (times `samples_per_prompt` sequences): every sequence is used exactly once per epoch, in an
-        order drawn from the run's `seed` for this `step` and epoch (`megarl.seeding`).
-        Returns the metrics of every step and, with `keep_outputs` (single-step updates only), the
-        per-token outputs of the model before the step, in batch order (what `score()` would give)."""
-        if keep_outputs and not self.is_single_step(len(batch), samples_per_prompt):
+        """`ppo_epochs` passes over the step's `num_groups` groups in shuffled mini-batches of
+        `ppo_mini_batch_size` groups (`mini_batch_groups`: the same at any layout); `batch` is this DP
+        rank's share, whole groups whose global ids are `group_ids_B`. Each mini-batch is one optimizer
+        step, every DP rank training on its part of it. Returns the metrics of every step and, with
+        `keep_outputs` (single-step updates only), the per-token outputs of the model before the
+        step, in batch order (what `score()` would give)."""
+        if keep_outputs and not self.is_single_step(num_groups):
             raise ValueError("keep_outputs needs an update of one optimizer step on the whole batch")
-        mini_batch = self.config.ppo_mini_batch_size * samples_per_prompt
         history, outputs = [], None
         for epoch in range(self.config.ppo_epochs):
-            generator = torch.Generator().manual_seed(derive_seed(seed, "mini_batch_order", step=step, draw=epoch))
-            order = torch.randperm(len(batch), generator=generator)
-            for start in range(0, len(batch), mini_batch):
-                indices = order[start : start + mini_batch]
-                metrics, kept = self.train_mini_batch(batch.select(indices), loss_fn, temperature, keep_outputs)
+            for groups in mini_batch_groups(num_groups, self.config.ppo_mini_batch_size, seed, step, epoch):
+                indices = torch.isin(group_ids_B, torch.tensor(groups)).nonzero().flatten()
+                idle = len(indices) == 0
+                share = batch.select(indices if not idle else [0])
+                metrics, kept = self.train_mini_batch(share, loss_fn, temperature, keep_outputs, idle=idle)
                 history.append(metrics)
                 if kept is not None:
-                    outputs = {name: torch.empty_like(value).index_copy_(0, indices, value)
-                               for name, value in kept.items()}
+                    outputs = kept  # the one mini-batch holds the whole share, in batch order
         return history, outputs
 
 

@@ -4,7 +4,11 @@
 
 Models: the actor (trained), an optional reference (KL), an optional critic (GAE) and an optional
 reward model, all megatron-core models on the actor's layout, and one colocated rollout engine
-per TP_r ranks. Every rank holds the whole batch of the step; the engines split work over DP.
+per TP_r ranks. The engines split the step's prompts and score each response once; every rank
+learns the scores (`megarl.trainer.rollouts`), and each DP rank then receives its share of whole
+groups (the n responses of a prompt), balanced by tokens within every mini-batch
+(`megarl.trainer.shares`), and scores, computes advantages and trains on that share alone.
+The step's numbers are reduced over DP as tensors (`megarl.trainer.metrics`).
 
 Memory is shared in time: between phases the rollout engine sleeps and the Megatron models are
 resident; `RolloutPolicy` (`megarl.trainer.policy`) swaps them around each rollout.
@@ -25,7 +29,6 @@ from megarl.algorithms import (
     AdvantageInputs,
     FixedKLController,
     kl_penalty_rewards,
-    rollout_mismatch_metrics,
 )
 from megarl.checkpoint import Checkpointer
 from megarl.config.schema import EngineConfig
@@ -39,10 +42,19 @@ from megarl.tracking import Tracker
 from megarl.trainer.contract import check_batch
 from megarl.trainer.curves import plot_curves
 from megarl.trainer.losses import actor_loss, critic_loss
-from megarl.trainer.metrics import batch_metrics, rollout_metrics, sync_metrics, update_metrics
+from megarl.trainer.metrics import (
+    ShareStats,
+    batch_stats,
+    mismatch_stats,
+    rollout_stats,
+    run_metrics,
+    sync_metrics,
+    update_metrics,
+)
 from megarl.trainer.policy import EngineSettings, RolloutPolicy
 from megarl.trainer.rollouts import Rollouts, collect_rollouts
 from megarl.trainer.scores import first_groups, informative, reward_model_scores, sequence_rewards
+from megarl.trainer.shares import take_share
 from megarl.trainer.startup import Run
 from megarl.trainer.timing import PhaseTimer
 from megarl.trainer.validation import validation_metrics
@@ -170,12 +182,14 @@ class RLTrainer:
             rollouts, rounds = self._generate_training_rollouts(step)
             baseline_B = self._greedy_baseline(rollouts, step) if self.estimator.needs_greedy_baseline else None
         self.policy.leave_rollout(timer)
-        batch = rollouts.to_batch(self.pad_token_id)
+        local, share = take_share(rollouts, self.layout, self.config.rollout.tp,
+                                  self.config.actor.ppo_mini_batch_size, self.config.trainer.seed, step)
+        group_ids_B, num_groups = share.group_ids_B, share.num_groups
+        batch = local.to_batch(self.pad_token_id)
         self._check(batch, "rollout", ("rollout_logprobs",))
-        temperature = self.config.rollout.temperature
+        temperature, seed = self.config.rollout.temperature, self.config.trainer.seed
         # A single-step actor update computes the old log-probs in its own forward: no scoring pass.
-        old_from_update = (self.actor.is_single_step(len(batch), self.config.rollout.n)
-                           and not self.config.algorithm.use_kl_in_reward)
+        old_from_update = self.actor.is_single_step(num_groups) and not self.config.algorithm.use_kl_in_reward
         with timer("score"):
             if not old_from_update:
                 scored = self.actor.score(batch, temperature)
@@ -184,18 +198,20 @@ class RLTrainer:
                 batch.response_tensors["ref_logprobs"] = self.reference.score(batch, temperature)["logprobs"]
             if self.critic is not None:
                 batch.response_tensors["values"] = self.critic.score(batch)["values"]
-            scores = torch.tensor(rollouts.scores)
+            scores = torch.tensor(local.scores)
             if self.reward_model is not None:
                 scores = scores + reward_model_scores(self.reward_model.score(batch)["values"],
                                                       batch.response_lengths_B)
         self._check(batch, "score", () if old_from_update else ("old_logprobs",))
+        stats = ShareStats()
         with timer("advantage"):
-            advantage_metrics = self._advantages(batch, rollouts, scores, baseline_B)
+            share_baseline_B = baseline_B[share.indices] if baseline_B is not None else None
+            self._advantages(batch, group_ids_B, scores, share_baseline_B, stats)
         self._check(batch, "advantage", ("advantages", "returns"))
         with timer("update_actor"):
             loss = actor_loss(self.config.actor, self.config.data.max_response_length)
-            actor_history, kept = self.actor.update(batch, loss, self.config.rollout.n, self.config.trainer.seed,
-                                                    step, temperature=temperature, keep_outputs=old_from_update)
+            actor_history, kept = self.actor.update(batch, group_ids_B, num_groups, loss, seed, step,
+                                                    temperature=temperature, keep_outputs=old_from_update)
         if old_from_update:
             scored = kept
             batch.response_tensors["old_logprobs"] = scored["logprobs"]
@@ -203,13 +219,18 @@ class RLTrainer:
         critic_history = []
         if self.critic is not None:
             with timer("update_critic"):
-                critic_history, _ = self.critic.update(batch, critic_loss(self.config.critic), self.config.rollout.n,
-                                                       self.config.trainer.seed, step)
+                critic_history, _ = self.critic.update(batch, group_ids_B, num_groups, critic_loss(self.config.critic),
+                                                       seed, step)
         tensors = batch.response_tensors
-        return {**rollout_metrics(rollouts, batch, scores, rounds), **sync_metrics(sync), **advantage_metrics,
-                **rollout_mismatch_metrics(tensors["old_logprobs"], tensors["rollout_logprobs"], batch.response_mask_BR),
-                **update_metrics("actor", actor_history), **update_metrics("critic", critic_history),
-                **batch_metrics(batch, scored["entropy"], sum(timer.seconds.values())), **timer.metrics()}
+        rollout_stats(stats, local, batch, scores)
+        mismatch_stats(stats, tensors["old_logprobs"], tensors["rollout_logprobs"], batch.response_mask_BR)
+        batch_stats(stats, batch, scored["entropy"], sum(timer.seconds.values()))
+        metrics = stats.reduce(self.layout.dp_group).values()
+        if self.config.algorithm.use_kl_in_reward:
+            self.kl_ctrl.update(metrics["actor/reward_kl"], len(rollouts))
+            metrics["actor/reward_kl_coef"] = self.kl_ctrl.value
+        return {**metrics, **run_metrics(rollouts, rounds), **sync_metrics(sync),
+                **update_metrics("actor", actor_history), **update_metrics("critic", critic_history), **timer.metrics()}
 
     def _generate_training_rollouts(self, step: int) -> tuple[Rollouts, int]:
         """A batch of prompts; with DAPO's group filtering, more prompts until the batch is full of
@@ -246,31 +267,29 @@ class RLTrainer:
         by_group = dict(zip(groups, scores))
         return torch.tensor([by_group[g] for g in rollouts.group_ids])
 
-    def _advantages(self, batch, rollouts: Rollouts, scores: torch.Tensor,
-                    baseline_B: torch.Tensor | None) -> dict[str, float]:
+    def _advantages(self, batch, group_ids_B: torch.Tensor, scores: torch.Tensor, baseline_B: torch.Tensor | None,
+                    stats: ShareStats) -> None:
+        """Advantages and returns of the share (whole groups, so group estimators need nothing else)."""
         algorithm, tensors = self.config.algorithm, batch.response_tensors
         mask_BR = batch.response_mask_BR
         scores = sequence_rewards(scores, batch.response_lengths_B, self.config.data.max_response_length,
                                   algorithm.overlong_buffer_length, algorithm.overlong_penalty_factor)
         token_rewards_BR = token_level_scores(scores.tolist(), batch.response_lengths_B.tolist())
-        metrics = {}
         if algorithm.use_kl_in_reward:
-            token_rewards_BR, kl = kl_penalty_rewards(token_rewards_BR, tensors["old_logprobs"], tensors["ref_logprobs"],
-                                                      mask_BR, self.kl_ctrl.value, algorithm.kl_penalty)
-            self.kl_ctrl.update(kl, len(batch))
-            metrics.update({"actor/reward_kl": kl, "actor/reward_kl_coef": self.kl_ctrl.value})
+            token_rewards_BR, kl = kl_penalty_rewards(token_rewards_BR, tensors["old_logprobs"],
+                                                      tensors["ref_logprobs"], mask_BR, self.kl_ctrl.value,
+                                                      algorithm.kl_penalty)
+            stats.means["actor/reward_kl"] = (kl * len(batch), len(batch))  # a mean over sequences
         advantages_BR, returns_BR = self.estimator(AdvantageInputs(
-            token_rewards_BR=token_rewards_BR, mask_BR=mask_BR, group_ids_B=torch.tensor(rollouts.group_ids),
+            token_rewards_BR=token_rewards_BR, mask_BR=mask_BR, group_ids_B=group_ids_B,
             values_BR=tensors.get("values"), baseline_rewards_B=baseline_B, gamma=algorithm.gamma, lam=algorithm.lam,
             norm_by_std=algorithm.norm_adv_by_std,
         ))
         tensors["advantages"], tensors["returns"] = advantages_BR * mask_BR, returns_BR * mask_BR
         valid = mask_BR.bool()
-        metrics.update({"advantages/mean": float(advantages_BR[valid].mean()),
-                        "advantages/max": float(advantages_BR[valid].max()),
-                        "advantages/min": float(advantages_BR[valid].min()),
-                        "returns/mean": float(returns_BR[valid].mean())})
-        return metrics
+        stats.add_mean("advantages/mean", advantages_BR[valid])
+        stats.add_range("advantages", advantages_BR[valid])
+        stats.add_mean("returns/mean", returns_BR[valid])
 
     def _check(self, batch, phase: str, required: tuple[str, ...]) -> None:
         if self.config.trainer.check_batches:

@@ -1,8 +1,18 @@
-"""Generation across the colocated engines, and the batch every rank then holds.
+"""Generation across the colocated engines: the step's responses, scored once, and where they live.
 
-Engines are replicas of TP_r consecutive ranks; replica k generates for prompts k, k + K, ... of
-the step (K replicas) and scores its responses with the reward function. One all-gather then gives
-every rank all responses, in prompt order, n per prompt (prompt-major).
+Engines are replicas of TP_r consecutive ranks; replica k of K generates for the k-th of K
+contiguous blocks of the step's prompts. A prompt's samples are seeded by its position in the step
+(request i of a call samples with `Sampling.seed + i`, and a block starting at prompt s calls with
+seed + s), so they do not depend on the number of replicas: DP1 and DP2 generate the same responses.
+The replica's first rank alone decodes and scores them, so the reward function sees every response
+once whatever TP_r is.
+
+Every rank then learns each response's score, extra reward metrics, length and finish reason from
+one all-reduce of a (B, 3 + extras) table: O(B) numbers, enough for group filtering, baselines,
+validation and deciding who trains on what. The responses themselves (token ids and the engine's
+log-probs) stay on the ranks of the replica that generated them until `move_responses` sends each
+to the ranks that need it, in one all-to-all of tensors. Nothing pickles the batch: only the
+extra metrics' names and the first reward failure's message travel as objects.
 """
 
 from __future__ import annotations
@@ -15,9 +25,8 @@ import torch.distributed as dist
 
 from megarl.data.dataset import Prompt
 from megarl.engine.batch import SequenceBatch, right_pad
-from megarl.rewards.manager import RewardFunctionError, RewardManager, ScoringItem
-from megarl.rollout.base import RolloutEngine, Sampling
-from megarl.seeding import derive_seed
+from megarl.rewards.manager import RewardFunctionError, RewardManager, RewardResult, ScoringItem
+from megarl.rollout.base import RolloutEngine, RolloutOutput, Sampling
 
 
 @dataclass
@@ -26,8 +35,12 @@ class Rollouts:
     """The prompt of each sequence (each prompt appears n times, consecutively)."""
     group_ids: list[int] = field(default_factory=list)
     """Sequences of the same prompt share a group id (GRPO's groups)."""
-    response_ids: list[list[int]] = field(default_factory=list)
-    rollout_logprobs: list[list[float]] = field(default_factory=list)
+    replicas: list[int] = field(default_factory=list)
+    """The engine replica that generated each sequence (whose ranks hold its response)."""
+    response_lengths: list[int] = field(default_factory=list)
+    response_ids: list[list[int] | None] = field(default_factory=list)
+    """None where this rank does not hold the response (`move_responses`)."""
+    rollout_logprobs: list[list[float] | None] = field(default_factory=list)
     finish_reasons: list[str] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
     score_extras: dict[str, list[float]] = field(default_factory=dict)
@@ -37,20 +50,22 @@ class Rollouts:
     """One line describing the first reward call that failed or timed out."""
 
     def __len__(self) -> int:
-        return len(self.response_ids)
+        return len(self.group_ids)
 
     def select(self, indices: list[int]) -> Rollouts:
         pick = lambda values: [values[i] for i in indices]  # noqa: E731
-        return replace(self, prompts=pick(self.prompts), group_ids=pick(self.group_ids),
-                       response_ids=pick(self.response_ids), rollout_logprobs=pick(self.rollout_logprobs),
-                       finish_reasons=pick(self.finish_reasons), scores=pick(self.scores),
-                       score_extras={k: pick(v) for k, v in self.score_extras.items()})
+        return replace(self, prompts=pick(self.prompts), group_ids=pick(self.group_ids), replicas=pick(self.replicas),
+                       response_lengths=pick(self.response_lengths), response_ids=pick(self.response_ids),
+                       rollout_logprobs=pick(self.rollout_logprobs), finish_reasons=pick(self.finish_reasons),
+                       scores=pick(self.scores), score_extras={k: pick(v) for k, v in self.score_extras.items()})
 
     def extend(self, other: Rollouts) -> None:
         self.score_extras = _aligned_extras([self, other])
         offset = max(self.group_ids, default=-1) + 1
         self.prompts += other.prompts
         self.group_ids += [g + offset for g in other.group_ids]
+        self.replicas += other.replicas
+        self.response_lengths += other.response_lengths
         self.response_ids += other.response_ids
         self.rollout_logprobs += other.rollout_logprobs
         self.finish_reasons += other.finish_reasons
@@ -67,59 +82,99 @@ class Rollouts:
                                       f"{self.num_reward_timeouts} timeouts); first: {self.first_reward_failure}")
 
     def to_batch(self, pad_token_id: int) -> SequenceBatch:
-        """Prompt + response token sequences, right-padded, with the engine's log-probs aligned."""
+        """Prompt + response token sequences, right-padded, with the engine's log-probs aligned (all
+        responses must be held here)."""
         return SequenceBatch.from_sequences([p.prompt_ids for p in self.prompts], self.response_ids, pad_token_id,
                                             {"rollout_logprobs": right_pad(self.rollout_logprobs, 0.0, torch.float32)})
 
 
 def collect_rollouts(prompts: list[Prompt], engine: RolloutEngine, sampling: Sampling, engine_tp: int,
                      tokenizer, rewards: RewardManager) -> Rollouts:
-    """Generate and score `sampling.n` responses per prompt on the engine replicas; all ranks return all."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    """Generate and score `sampling.n` responses per prompt on the engine replicas. Every rank
+    returns every sequence's scores; the responses are held by their replica's ranks."""
+    rank, world, n = dist.get_rank(), dist.get_world_size(), sampling.n
     replica, num_replicas = rank // engine_tp, world // engine_tp
-    mine = list(range(replica, len(prompts), num_replicas))
-    local = Rollouts()
-    if mine:
-        output = engine.generate([prompts[i].prompt_ids for i in mine],
-                                 replace(sampling, seed=derive_seed(sampling.seed, "engine_replica", replica=replica)))
-        local.prompts = [prompts[i] for i in mine for _ in range(sampling.n)]
-        local.group_ids = [i for i in mine for _ in range(sampling.n)]
-        local.response_ids, local.rollout_logprobs = output.response_ids, output.logprobs
-        local.finish_reasons = output.finish_reasons
-        texts = tokenizer.batch_decode(output.response_ids, skip_special_tokens=True)
-        result = rewards.score([ScoringItem(p.data_source, text, p.ground_truth, p.extra_info)
-                                for p, text in zip(local.prompts, texts)])
-        local.scores, local.score_extras = result.scores, result.extra
-        local.num_reward_errors, local.num_reward_timeouts = result.num_errors, result.num_timeouts
-        local.first_reward_failure = result.first_error
-    gathered = [None] * world
-    dist.all_gather_object(gathered, local)
-    return merge_replicas(gathered[::engine_tp])  # one copy per engine replica
+    blocks = [(k * len(prompts) // num_replicas, (k + 1) * len(prompts) // num_replicas) for k in range(num_replicas)]
+    start, stop = blocks[replica]
+    num_sequences = len(prompts) * n
+    rollouts = Rollouts(prompts=[p for p in prompts for _ in range(n)],
+                        group_ids=[i for i in range(len(prompts)) for _ in range(n)],
+                        replicas=[k for k, (first, end) in enumerate(blocks) for _ in range((end - first) * n)],
+                        response_ids=[None] * num_sequences, rollout_logprobs=[None] * num_sequences)
+    output, result = RolloutOutput(), None
+    if stop > start:
+        output = engine.generate([p.prompt_ids for p in prompts[start:stop]],
+                                 replace(sampling, seed=sampling.seed + start))
+        rollouts.response_ids[start * n : stop * n] = output.response_ids
+        rollouts.rollout_logprobs[start * n : stop * n] = output.logprobs
+        if rank % engine_tp == 0:  # the replica's other ranks hold the same responses
+            texts = tokenizer.batch_decode(output.response_ids, skip_special_tokens=True)
+            result = rewards.score([ScoringItem(p.data_source, text, p.ground_truth, p.extra_info)
+                                    for p, text in zip(rollouts.prompts[start * n : stop * n], texts)])
+    _share_scores(rollouts, output, result, start * n)
+    return rollouts
 
 
-def merge_replicas(replicas: list[Rollouts]) -> Rollouts:
-    """The replicas' rollouts in one batch, prompt-major (sorted by group id).
+def _share_scores(rollouts: Rollouts, output: RolloutOutput, result: RewardResult | None, first: int) -> None:
+    """Every sequence's score, length, finish reason and extras onto every rank: each replica's
+    scoring rank fills its rows of a zero table, and one all-reduce sums them."""
+    summary = (sorted(result.extra), result.first_error) if result is not None else ([], None)
+    summaries = [None] * dist.get_world_size()
+    dist.all_gather_object(summaries, summary)
+    keys = sorted({key for names, _ in summaries for key in names})
+    table = torch.zeros(len(rollouts), 3 + len(keys), dtype=torch.float64)  # score, length, truncated, extras
+    counts = torch.zeros(2, dtype=torch.float64)
+    if result is not None:
+        rows = slice(first, first + len(result.scores))
+        table[rows, 0] = torch.tensor(result.scores, dtype=torch.float64)
+        table[rows, 1] = torch.tensor([len(ids) for ids in output.response_ids], dtype=torch.float64)
+        table[rows, 2] = torch.tensor([reason == "length" for reason in output.finish_reasons], dtype=torch.float64)
+        for column, key in enumerate(keys, start=3):
+            values = result.extra.get(key, [math.nan] * len(result.scores))
+            table[rows, column] = torch.tensor(values, dtype=torch.float64)
+        counts[:] = torch.tensor([result.num_errors, result.num_timeouts])
+    dist.all_reduce(table)
+    dist.all_reduce(counts)
+    rollouts.scores = table[:, 0].tolist()
+    rollouts.response_lengths = table[:, 1].long().tolist()
+    rollouts.finish_reasons = ["length" if truncated else "stop" for truncated in table[:, 2].tolist()]
+    rollouts.score_extras = {key: table[:, column].tolist() for column, key in enumerate(keys, start=3)}
+    rollouts.num_reward_errors, rollouts.num_reward_timeouts = map(int, counts.tolist())
+    rollouts.first_reward_failure = next((failure for _, failure in summaries if failure), None)
 
-    Extra reward metrics one replica's scorer returned and another's did not (a dict key present only
-    for some responses) are NaN where absent, so every metric stays aligned with the sequences."""
-    extras = _aligned_extras(replicas)
-    merged = Rollouts()
-    order = sorted((group, k, j) for k, part in enumerate(replicas) for j, group in enumerate(part.group_ids))
-    starts = [sum(len(part) for part in replicas[:k]) for k in range(len(replicas))]
-    for group, k, j in order:
-        part = replicas[k]
-        merged.prompts.append(part.prompts[j])
-        merged.group_ids.append(group)
-        merged.response_ids.append(part.response_ids[j])
-        merged.rollout_logprobs.append(part.rollout_logprobs[j])
-        merged.finish_reasons.append(part.finish_reasons[j])
-        merged.scores.append(part.scores[j])
-        for key, values in extras.items():
-            merged.score_extras.setdefault(key, []).append(values[starts[k] + j])
-    merged.num_reward_errors = sum(p.num_reward_errors for p in replicas)
-    merged.num_reward_timeouts = sum(p.num_reward_timeouts for p in replicas)
-    merged.first_reward_failure = next((p.first_reward_failure for p in replicas if p.first_reward_failure), None)
-    return merged
+
+def move_responses(rollouts: Rollouts, wanted: list[list[int]], engine_tp: int) -> None:
+    """Make rank r hold the responses of sequences `wanted[r]`, in place, in one all-to-all.
+
+    Sequence i is sent to rank r by the rank of its replica at r's position in TP_r (r mod TP_r),
+    which spreads the sending over the replica. Token ids and log-probs travel as float64 (both
+    exact); every rank knows every length, so no sizes are exchanged."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def sender(index: int, receiver: int) -> int:
+        return rollouts.replicas[index] * engine_tp + receiver % engine_tp
+
+    def payload(index: int) -> list[torch.Tensor]:
+        return [torch.tensor(rollouts.response_ids[index], dtype=torch.float64),
+                torch.tensor(rollouts.rollout_logprobs[index], dtype=torch.float64)]
+
+    sent, send_splits = [], []
+    for receiver in range(world):
+        rows = [i for i in wanted[receiver] if sender(i, receiver) == rank]
+        sent += [part for i in rows for part in payload(i)]
+        send_splits.append(sum(2 * rollouts.response_lengths[i] for i in rows))
+    incoming = [[i for i in wanted[rank] if sender(i, rank) == source] for source in range(world)]
+    recv_splits = [sum(2 * rollouts.response_lengths[i] for i in rows) for rows in incoming]
+    received = torch.empty(sum(recv_splits), dtype=torch.float64)
+    dist.all_to_all_single(received, torch.cat(sent) if sent else torch.zeros(0, dtype=torch.float64),
+                           recv_splits, send_splits)
+    offset = 0
+    for rows in incoming:
+        for i in rows:
+            length = rollouts.response_lengths[i]
+            rollouts.response_ids[i] = received[offset : offset + length].long().tolist()
+            rollouts.rollout_logprobs[i] = received[offset + length : offset + 2 * length].tolist()
+            offset += 2 * length
 
 
 def _aligned_extras(parts: list[Rollouts]) -> dict[str, list[float]]:

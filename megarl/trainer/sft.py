@@ -17,6 +17,7 @@ from megarl.data.prompt_dataset import PromptDataset
 from megarl.data.sampler import ResumableSampler
 from megarl.data.tokenization import continuation_ids
 from megarl.engine.batch import SequenceBatch
+from megarl.engine.batching import balance_over_data_parallel
 from megarl.engine.megatron_engine import MegatronEngine
 from megarl.models.hf_interop import export_hf
 from megarl.tracking import Tracker
@@ -55,8 +56,11 @@ class SFTTrainer:
                                last_step=config.trainer.total_steps)
 
     def batch(self, indices: list[int]) -> SequenceBatch:
-        return SequenceBatch.from_sequences([self.data[i].prompt_ids for i in indices],
-                                            [self.responses[i] for i in indices], self.tokenizer.pad_token_id or 0)
+        """This DP rank's share of the examples `indices`, balanced by tokens over the DP ranks."""
+        lengths = [len(self.data[i].prompt_ids) + len(self.responses[i]) for i in indices]
+        share = [indices[k] for k in balance_over_data_parallel(lengths, self.layout.dp)[self.layout.dp_rank]]
+        return SequenceBatch.from_sequences([self.data[i].prompt_ids for i in share],
+                                            [self.responses[i] for i in share], self.tokenizer.pad_token_id or 0)
 
     def fit(self) -> None:
         for step in self.tracker.progress(range(1, self.config.trainer.total_steps + 1)):

@@ -1,4 +1,4 @@
-"""The real launchers for a few steps: PPO with a critic at TP2 and at PP2, GRPO with a KL loss at DP2.
+"""The real launchers for a few steps: PPO with a critic at TP2 and at PP2, GRPO with a KL loss at DP1 and DP2.
 
 Each run logs to a local mlflow store, which the test reads back with mlflow's own client.
 """
@@ -54,25 +54,40 @@ def test_ppo_with_critic_runs_three_steps_and_logs_to_mlflow(tiny_models, arithm
     assert (run_dir / "config.yaml").is_file() and (run_dir / "curves.png").stat().st_size > 10_000
 
 
-def test_grpo_variants_at_dp2(tiny_models, arithmetic, tmp_path):
+def test_grpo_variants_give_the_same_run_at_dp1_and_dp2(tiny_models, arithmetic, tmp_path, monkeypatch):
     # KL loss, truncated IS, DAPO group filtering and overlong shaping, a Megatron reward model added
-    # to a user reward function loaded by path.
-    result = torchrun(2, ROOT / "launchers/train_ppo.py", "--config", "configs/quickstart.yaml",
-                      *_overrides(tiny_models["qwen3-tied"], arithmetic, tmp_path, "actor.use_kl_loss=true",
-                                  "actor.loss_agg_mode=seq-mean-token-mean", "actor.tis_cap=2.0",
-                                  "actor.clip_ratio_high=0.28", "algorithm.filter_groups=true",
-                                  "algorithm.overlong_buffer_length=2",
-                                  f"reward.reward_model_path={tiny_models['qwen2-value']}",
-                                  f"reward.function={ROOT / 'tests/integration/user_reward.py'}:compute_score"),
-                      timeout=600)
-    assert_succeeded(result)
-    run_dir = tmp_path / "quickstart_grpo"
+    # to a user reward function loaded by path, which counts its calls.
+    runs = {}
+    for dp in (1, 2):
+        calls = tmp_path / f"calls_dp{dp}"
+        calls.mkdir()
+        monkeypatch.setenv("MEGARL_TEST_REWARD_CALLS", str(calls))
+        out = tmp_path / f"dp{dp}"
+        result = torchrun(dp, ROOT / "launchers/train_ppo.py", "--config", "configs/quickstart.yaml",
+                          *_overrides(tiny_models["qwen3-tied"], arithmetic, out, "actor.use_kl_loss=true",
+                                      "actor.loss_agg_mode=seq-mean-token-mean", "actor.tis_cap=2.0",
+                                      "actor.clip_ratio_high=0.28", "algorithm.filter_groups=true",
+                                      "algorithm.overlong_buffer_length=2",
+                                      f"reward.reward_model_path={tiny_models['qwen2-value']}",
+                                      f"reward.function={ROOT / 'tests/integration/user_reward.py'}:compute_score"),
+                          timeout=600)
+        assert_succeeded(result)
+        runs[dp] = out / "quickstart_grpo"
+        # Every response is scored exactly once: 4 prompts x 8 samples per filter round, and 8
+        # validation prompts x 1 sample before training and after the last step.
+        rounds = _values(runs[dp], "quickstart_grpo", "rollout/filter_rounds")
+        num_calls = sum(len(f.read_text().splitlines()) for f in calls.iterdir())
+        assert num_calls == 4 * 8 * sum(rounds) + 2 * 8, (dp, rounds, num_calls)
     for metric in ("actor/kl_loss", "mismatch/kl", "rollout/filter_rounds", "actor/grad_norm", "reward/length"):
-        assert _logged(run_dir, "quickstart_grpo", metric) == [1, 2, 3], metric
+        assert _logged(runs[2], "quickstart_grpo", metric) == [1, 2, 3], metric
+    # The same seed gives the same rewards and per-step losses at DP1 and DP2.
+    for metric in ("reward/function_mean", "reward/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
+        dp1, dp2 = (_values(runs[dp], "quickstart_grpo", metric) for dp in (1, 2))
+        assert dp1 == pytest.approx(dp2, rel=1e-4, abs=1e-6), metric
     # The pieces' effects on the batch and loss are checked on real tensors in tests/unit/trainer
     # (test_scores.py: group filtering, reward model, overlong penalty; test_losses.py: truncated IS);
     # here: the reward model's scores reach the rewards, on top of the function's 0/1 parity scores.
-    total, function = (_values(run_dir, "quickstart_grpo", m) for m in ("reward/mean", "reward/function_mean"))
+    total, function = (_values(runs[2], "quickstart_grpo", m) for m in ("reward/mean", "reward/function_mean"))
     assert all(0 <= f <= 1 for f in function) and all(abs(t - f) > 1e-6 for t, f in zip(total, function))
 
 

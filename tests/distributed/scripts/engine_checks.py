@@ -1,8 +1,9 @@
 """Engine checks at one layout: scoring vs `transformers`, then one optimizer step (whose kept
-forward outputs must equal the scores), exported to HF.
+forward outputs must equal the scores), exported to HF. Each DP rank passes its token-balanced
+share of the batch, as the trainers do.
 
-Prints one JSON line (rank 0) with the max differences and the step's metrics; the test compares
-the exported weights across layouts.
+Prints one JSON line (rank 0) with the max differences over all ranks and the step's metrics; the
+test compares the exported weights across layouts.
 """
 
 import argparse
@@ -15,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 from megarl.config.schema import EngineConfig, ModelConfig, OptimizerConfig
 from megarl.distributed import init_layout
 from megarl.engine.batch import SequenceBatch
+from megarl.engine.batching import balance_over_data_parallel
 from megarl.engine.megatron_engine import MegatronEngine
 from megarl.models.hf_interop import export_hf
 
@@ -37,7 +39,8 @@ generator = torch.Generator().manual_seed(0)
 prompt_lengths = torch.tensor([5, 3, 8, 4, 6, 2, 7, 3])
 response_lengths = torch.tensor([10, 12, 6, 15, 1, 9, 4, 13])
 tokens = torch.randint(5, 100, (8, 24), generator=generator)
-batch = SequenceBatch(tokens, prompt_lengths, response_lengths)
+share = balance_over_data_parallel((prompt_lengths + response_lengths).tolist(), layout.dp)[layout.dp_rank]
+batch = SequenceBatch(tokens, prompt_lengths, response_lengths).select(share)
 engine_config = EngineConfig(
     micro_batch_size_per_rank=2, use_dynamic_batch_size=args.dynamic, max_token_len_per_rank=40,
     recompute_activations=args.recompute,
@@ -67,7 +70,12 @@ def hf_response_outputs(model_dir, value_model):
 
 
 def max_diff(scores, reference):
-    return max(float((scores[name] - reference[name]).abs().max()) for name in reference)
+    """The largest difference on any rank; `reference` holds the whole batch, `scores` this rank's share."""
+    local = max(float((scores[name] - reference[name][share, : scores[name].shape[1]]).abs().max())
+                for name in scores)
+    worst = torch.tensor(local)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return float(worst)
 
 
 report = {}
@@ -75,9 +83,8 @@ policy = MegatronEngine(layout, ModelConfig(path=args.policy, dtype=args.dtype),
 scores = policy.score(batch, temperature=TEMPERATURE)
 critic = MegatronEngine(layout, ModelConfig(path=args.value, dtype=args.dtype), engine_config)
 values = critic.score(batch)
-if dist.get_rank() == 0:
-    report["logprob_entropy_diff"] = max_diff(scores, hf_response_outputs(args.policy, False))
-    report["value_diff"] = max_diff(values, hf_response_outputs(args.value, True))
+report["logprob_entropy_diff"] = max_diff(scores, hf_response_outputs(args.policy, False))
+report["value_diff"] = max_diff(values, hf_response_outputs(args.value, True))
 
 
 def nll_with_entropy_bonus(outputs, micro_batch, normalizer):
@@ -89,7 +96,9 @@ def nll_with_entropy_bonus(outputs, micro_batch, normalizer):
 
 metrics, before_step = policy.train_mini_batch(batch, nll_with_entropy_bonus, temperature=TEMPERATURE,
                                                keep_outputs=True)
-report["kept_outputs_vs_score"] = max_diff(before_step, scores)  # the trainer's old log-probs, for free
+whole_batch_scores = {name: value.new_zeros(8, value.shape[1]).index_copy(0, torch.tensor(share), value)
+                      for name, value in scores.items()}
+report["kept_outputs_vs_score"] = max_diff(before_step, whole_batch_scores)  # the trainer's old log-probs, for free
 export_hf(policy.module, policy.arch, layout, args.out, args.policy)
 report.update(metrics)
 if args.bf16_steps:

@@ -142,14 +142,8 @@ def test_layout_rejects_rollout_tp_not_dividing_the_world():
 
 # (overrides, world size, rl, fragments of the message); the DP sizes in the comments are worked out by hand.
 BAD_BATCHES = [
-    pytest.param(["actor.ppo_mini_batch_size=3", "rollout.n=1", "data.train_batch_size=6"], 2, True,
-                 ["'actor.ppo_mini_batch_size' = 3", "3 sequences", "2 DP ranks"], id="mini-batch odd at DP 2"),
-    pytest.param(["actor.ppo_mini_batch_size=3", "rollout.n=2", "data.train_batch_size=5", "actor.tp=2"], 6, True,
-                 ["'data.train_batch_size' = 5", "2 prompts * 2 samples", "3 DP ranks"], id="last mini-batch"),
-    pytest.param(["critic.enable=true", "critic.ppo_mini_batch_size=1", "rollout.n=3", "data.train_batch_size=2"],
-                 2, True, ["'critic.ppo_mini_batch_size' = 1", "3 sequences"], id="critic mini-batch"),
-    pytest.param(["actor.use_dynamic_batch_size=true", "actor.ppo_mini_batch_size=1", "rollout.n=2"], 4, True,
-                 ["'actor.ppo_mini_batch_size' = 1", "at least 4"], id="dynamic needs one per rank"),
+    pytest.param(["data.train_batch_size=3", "rollout.n=8", "actor.tp=2"], 8, True,
+                 ["'data.train_batch_size' = 3", "4 DP ranks", "at least 4"], id="fewer prompts than DP ranks"),
     pytest.param(["data.train_batch_size=3"], 2, False, ["'data.train_batch_size' = 3", "2 DP ranks"], id="sft"),
 ]
 
@@ -166,10 +160,7 @@ def test_batches_that_do_not_split_over_dp_fail_naming_the_key(overrides, world_
 
 
 def test_batches_that_split_over_dp_pass():
-    # 3 prompts * 2 samples = 6 sequences over DP 2 (world 4, TP 2); SFT: 6 sequences over DP 3.
-    validate_batches(_layout("actor.ppo_mini_batch_size=3", "rollout.n=2", "data.train_batch_size=6",
+    # RL: 2 prompts over DP 2 (world 4, TP 2), whatever the mini-batch; SFT: 6 sequences over DP 3.
+    validate_batches(_layout("actor.ppo_mini_batch_size=1", "rollout.n=3", "data.train_batch_size=2",
                              "actor.tp=2"), 4, rl=True)
     validate_batches(_layout("data.train_batch_size=6", "rollout.n=5"), 3, rl=False)
-    # A critic that is not enabled is not checked; dynamic batching needs only one sequence per rank.
-    validate_batches(_layout("critic.ppo_mini_batch_size=1", "rollout.n=3", "actor.use_dynamic_batch_size=true",
-                             "actor.ppo_mini_batch_size=1"), 2, rl=True)

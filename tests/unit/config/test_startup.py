@@ -28,8 +28,8 @@ def test_valid_start_up_config(monkeypatch, tiny_models):
 
 
 def test_world_size_checks_run_before_any_process_group(monkeypatch, tiny_models):
-    """rollout.tp and the mini-batch split are checked from WORLD_SIZE alone (torch.distributed stays
-    uninitialised): 2 ranks, rollout.tp=4; then 3 ranks (DP 3), 8 prompts * 8 samples = 64 sequences."""
+    """rollout.tp and the batch's split are checked from WORLD_SIZE alone (torch.distributed stays
+    uninitialised): 2 ranks, rollout.tp=4; then 3 ranks (DP 3) for 2 prompts."""
     import torch.distributed as dist
 
     model = f"model.path={tiny_models['qwen2-tied']}"
@@ -37,8 +37,8 @@ def test_world_size_checks_run_before_any_process_group(monkeypatch, tiny_models
     with pytest.raises(ConfigError, match=r"'rollout\.tp' = 4 does not divide world size 2"):
         parse_config(["--config", "configs/tiny_cpu.yaml", model, "rollout.tp=4"], rl=True)
     monkeypatch.setenv("WORLD_SIZE", "3")
-    with pytest.raises(ConfigError, match=r"'actor\.ppo_mini_batch_size' = 8 .* 64 sequences, .* 3 DP ranks"):
-        parse_config(["--config", "configs/tiny_cpu.yaml", model], rl=True)
+    with pytest.raises(ConfigError, match=r"'data\.train_batch_size' = 2 .* 3 DP ranks"):
+        parse_config(["--config", "configs/tiny_cpu.yaml", model, "data.train_batch_size=2"], rl=True)
     assert not dist.is_initialized()
 
 

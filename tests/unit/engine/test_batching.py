@@ -1,4 +1,5 @@
-"""Micro-batching and DP splitting: every sample exactly once, budgets respected, balance reported."""
+"""Micro-batching and DP splitting: every sample exactly once, budgets respected, balance reported;
+an update's mini-batches of whole groups, the same at any DP, each balanced over the DP ranks."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import torch
 
 from megarl.engine.batch import SequenceBatch, right_pad
 from megarl.engine.batching import (
+    balance_over_data_parallel,
     budgeted_micro_batches,
     fixed_micro_batches,
-    split_over_data_parallel,
+    mini_batch_groups,
+    owned_groups,
     token_imbalance,
 )
 
@@ -19,7 +22,7 @@ LENGTHS = torch.tensor([120, 30, 75, 300, 12, 64, 64, 200, 33, 90, 150, 7])
 @pytest.mark.parametrize("dp", [1, 2, 3, 4])
 def test_dynamic_batching_uses_every_sample_once_under_budget(dp):
     budget = 320
-    ranks = split_over_data_parallel(LENGTHS, dp, equal_counts=False)
+    ranks = balance_over_data_parallel(LENGTHS.tolist(), dp)
     used = []
     for indices in ranks:
         micro = budgeted_micro_batches(indices, LENGTHS, budget)
@@ -30,7 +33,7 @@ def test_dynamic_batching_uses_every_sample_once_under_budget(dp):
         assert len(micro) <= -(-total // budget) + 1
         used += [i for micro_batch in micro for i in micro_batch]
     assert sorted(used) == list(range(len(LENGTHS)))
-    imbalance = token_imbalance(LENGTHS, ranks)
+    imbalance = token_imbalance([sum(int(LENGTHS[i]) for i in indices) for indices in ranks])
     # LPT keeps the most-loaded rank within one (the longest) sequence of the mean.
     mean = int(LENGTHS.sum()) / dp
     assert 1.0 <= imbalance <= (mean + int(LENGTHS.max())) / mean
@@ -38,24 +41,31 @@ def test_dynamic_batching_uses_every_sample_once_under_budget(dp):
 
 def test_lpt_split_by_hand():
     # Longest first, each to the least-loaded rank: 300->r0, 200->r1, 150->r1 (200<300)...
-    ranks = split_over_data_parallel(torch.tensor([300, 200, 150, 100]), 2, equal_counts=False)
+    ranks = balance_over_data_parallel([300, 200, 150, 100], 2)
     assert ranks == [[0, 3], [1, 2]]
-    assert token_imbalance(torch.tensor([300, 200, 150, 100]), ranks) == pytest.approx(400 / 375)
-
-
-def test_fixed_split_gives_equal_counts():
-    ranks = split_over_data_parallel(LENGTHS, 4, equal_counts=True)
-    assert [len(r) for r in ranks] == [3, 3, 3, 3]
-    assert sorted(i for r in ranks for i in r) == list(range(12))
+    assert token_imbalance([400, 350]) == pytest.approx(400 / 375)
+    # Ranks still empty take the next item, however light the loaded ones are.
+    assert balance_over_data_parallel([5, 1, 1], 3) == [[0], [1], [2]]
     assert fixed_micro_batches([0, 1, 2, 3, 4], 2) == [[0, 1], [2, 3], [4]]
+
+
+def test_mini_batches_hold_whole_groups_in_a_seeded_order_and_each_is_balanced_over_dp():
+    mini_batches = mini_batch_groups(6, 4, seed=1, step=3, epoch=0)
+    assert sorted(g for groups in mini_batches for g in groups) == list(range(6))
+    assert [len(groups) for groups in mini_batches] == [4, 2]
+    assert mini_batches == mini_batch_groups(6, 4, seed=1, step=3, epoch=0)
+    assert mini_batches != mini_batch_groups(6, 4, seed=1, step=3, epoch=1)
+    # Group tokens by hand: in every mini-batch, LPT over 2 ranks.
+    tokens = [100, 10, 40, 70, 30, 60]
+    owners = owned_groups(tokens, [[0, 1, 2, 3], [4, 5]], dp=2)
+    # [0, 1, 2, 3]: 100->r0, 70->r1, 40->r1 (70<100), 10->r0 (100<110); [4, 5]: 60->r0, 30->r1.
+    assert owners == [[0, 1, 5], [2, 3, 4]]
 
 
 @pytest.mark.parametrize("call,needle", [
     (lambda: budgeted_micro_batches([0, 3], LENGTHS, 299), "300 tokens exceeds .*max_token_len_per_rank=299"),
-    (lambda: split_over_data_parallel(LENGTHS, 5, equal_counts=True), "12 sequences .* 5 DP ranks; need a multiple"),
-    (lambda: split_over_data_parallel(LENGTHS[:2], 3, equal_counts=False), "need at least 3"),
 ])
-def test_bad_budgets_and_splits_fail_clearly(call, needle):
+def test_bad_budgets_fail_clearly(call, needle):
     with pytest.raises(ValueError, match=needle):
         call()
 

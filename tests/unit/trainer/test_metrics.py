@@ -4,18 +4,28 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from megarl.data.dataset import Prompt
 from megarl.engine.batch import SequenceBatch
 from megarl.resharding.executor import SyncStats
-from megarl.trainer.metrics import batch_metrics, rollout_metrics, sync_metrics, update_metrics
+from megarl.trainer.metrics import (
+    ShareStats,
+    batch_stats,
+    mismatch_stats,
+    rollout_stats,
+    run_metrics,
+    sync_metrics,
+    update_metrics,
+)
 from megarl.trainer.rollouts import Rollouts
 
 
 def _rollouts() -> tuple[Rollouts, SequenceBatch]:
     prompt = Prompt([7, 8], "arithmetic", "3", {}, 0)
-    rollouts = Rollouts(prompts=[prompt] * 3, group_ids=[0, 0, 0], response_ids=[[1], [1, 2, 3], [4, 5]],
+    rollouts = Rollouts(prompts=[prompt] * 3, group_ids=[0, 0, 0], replicas=[0, 0, 0], response_lengths=[1, 3, 2],
+                        response_ids=[[1], [1, 2, 3], [4, 5]],
                         rollout_logprobs=[[-1.0], [-1.0] * 3, [-1.0] * 2], finish_reasons=["stop", "length", "stop"],
                         scores=[1.0, 0.0, 0.5], score_extras={"acc": [1.0, math.nan, 0.0]}, num_reward_errors=1)
     return rollouts, rollouts.to_batch(pad_token_id=0)
@@ -23,7 +33,9 @@ def _rollouts() -> tuple[Rollouts, SequenceBatch]:
 
 def test_rollout_metrics_by_hand():
     rollouts, batch = _rollouts()
-    metrics = rollout_metrics(rollouts, batch, torch.tensor([1.5, 0.5, 1.0]), rounds=2)
+    stats = ShareStats()
+    rollout_stats(stats, rollouts, batch, torch.tensor([1.5, 0.5, 1.0]))
+    metrics = {**stats.values(), **run_metrics(rollouts, rounds=2)}
     assert metrics["reward/mean"] == 1.0 and metrics["reward/max"] == 1.5 and metrics["reward/min"] == 0.5
     assert metrics["reward/function_mean"] == 0.5 and metrics["reward/errors"] == 1.0
     assert metrics["response_length/mean"] == 2.0 and metrics["response_length/max"] == 3.0
@@ -40,6 +52,16 @@ def test_sync_update_and_batch_metrics_by_hand():
     assert update_metrics("critic", []) == {}
     _, batch = _rollouts()
     entropy_BR = torch.tensor([[1.0, 9.0, 9.0], [2.0, 2.0, 2.0], [4.0, 4.0, 9.0]])  # 9s sit in the padding
-    metrics = batch_metrics(batch, entropy_BR, seconds=2.0)
+    stats = ShareStats()
+    batch_stats(stats, batch, entropy_BR, seconds=2.0)
+    metrics = stats.values()
     assert metrics["rollout/entropy"] == (1 + 6 + 8) / 6
     assert metrics["throughput/tokens_per_s"] == (3 + 5 + 4) / 2.0
+    # The engine's log-probs 0.5 below the trainer's on every response token (padding differs more).
+    train_BR = torch.tensor([[-1.0, 0.0, 0.0], [-1.0, -2.0, -3.0], [-0.5, -0.5, 0.0]])
+    rollout_BR = train_BR - 0.5 + 5.0 * (1 - batch.response_mask_BR)
+    stats = ShareStats()
+    mismatch_stats(stats, train_BR, rollout_BR, batch.response_mask_BR)
+    metrics = stats.values()
+    assert metrics["mismatch/logprob_abs_diff_mean"] == metrics["mismatch/logprob_abs_diff_max"] == 0.5
+    assert metrics["mismatch/kl"] == pytest.approx(math.exp(0.5) - 1 - 0.5)  # k3 at log-ratio 0.5

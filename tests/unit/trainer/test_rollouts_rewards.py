@@ -1,5 +1,5 @@
-"""Merging replicas' rollouts whose reward functions returned different extra metrics, and stopping
-when no reward call of a batch succeeded."""
+"""Rollouts of several filter rounds whose reward functions returned different extra metrics, and
+stopping when no reward call of a batch succeeded."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ import pytest
 
 from megarl.data.dataset import Prompt
 from megarl.rewards import RewardFunctionError
-from megarl.trainer.rollouts import Rollouts, merge_replicas
+from megarl.trainer.rollouts import Rollouts
 
 NAN = math.nan
 
 
 def _rollouts(group_ids, scores, extras, errors=0, first=None):
     return Rollouts(prompts=[Prompt([g], "arithmetic", "3", {}, g) for g in group_ids], group_ids=list(group_ids),
+                    replicas=[0] * len(group_ids), response_lengths=[1] * len(group_ids),
                     response_ids=[[10 + g] for g in group_ids], rollout_logprobs=[[-1.0] for _ in group_ids],
                     finish_reasons=["stop"] * len(group_ids), scores=list(scores), score_extras=extras,
                     num_reward_errors=errors, first_reward_failure=first)
@@ -26,23 +27,14 @@ def _same(actual, expected):
         (math.isnan(a) and math.isnan(e)) or a == e for a, e in zip(actual, expected))
 
 
-def test_extras_one_replica_lacks_are_nan_and_stay_aligned_through_select_and_extend():
-    # Replica 0 generated for prompts 0 and 2, replica 1 for prompts 1 and 3 (n=2); only replica 0's
-    # responses got a "length" metric, only replica 1's a "format" one.
-    replica0 = _rollouts([0, 0, 2, 2], [1.0, 0.0, 0.0, 1.0], {"length": [5.0, 6.0, 7.0, 8.0]})
-    replica1 = _rollouts([1, 1, 3, 3], [0.0, 0.0, 1.0, 1.0], {"format": [1.0, 0.0, 1.0, 1.0]})
-    merged = merge_replicas([replica0, replica1])
-    assert merged.group_ids == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert merged.scores == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
-    assert _same(merged.score_extras["length"], [5.0, 6.0, NAN, NAN, 7.0, 8.0, NAN, NAN])
-    assert _same(merged.score_extras["format"], [NAN, NAN, 1.0, 0.0, NAN, NAN, 1.0, 1.0])
-
-    # DAPO's group filtering keeps groups 0 and 2 (mixed rewards), then tops up from another round.
-    kept = merged.select([0, 1, 4, 5])
+def test_extras_a_round_lacks_are_nan_and_stay_aligned_through_select_and_extend():
+    # Round 1 (n=2): groups 0..3 with a "length" metric; DAPO's group filtering keeps 0 and 2.
+    kept = _rollouts([0, 0, 1, 1, 2, 2, 3, 3], [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0],
+                     {"length": [5.0, 6.0, NAN, NAN, 7.0, 8.0, NAN, NAN]}).select([0, 1, 4, 5])
     assert _same(kept.score_extras["length"], [5.0, 6.0, 7.0, 8.0])
-    assert _same(kept.score_extras["format"], [NAN] * 4)
+    # Round 2 tops up with a group whose scorer returned a "tokens" metric instead.
     kept.extend(_rollouts([0, 0], [1.0, 0.0], {"tokens": [3.0, 4.0]}))
-    assert kept.group_ids == [0, 0, 2, 2, 3, 3]
+    assert kept.group_ids == [0, 0, 2, 2, 3, 3] and kept.response_ids[4:] == [[10], [10]]
     assert _same(kept.score_extras["length"], [5.0, 6.0, 7.0, 8.0, NAN, NAN])
     assert _same(kept.score_extras["tokens"], [NAN, NAN, NAN, NAN, 3.0, 4.0])
     assert _same(kept.select([5, 0]).score_extras["tokens"], [4.0, NAN])
@@ -50,12 +42,10 @@ def test_extras_one_replica_lacks_are_nan_and_stay_aligned_through_select_and_ex
 
 def test_a_batch_where_every_reward_call_failed_stops_the_run():
     failure = "item 0 (data_source 'arithmetic'): ValueError: compute_score must return a finite number, got None"
-    replicas = [_rollouts([0, 0], [0.0, 0.0], {}, errors=2, first=failure),
-                _rollouts([1, 1], [0.0, 0.0], {}, errors=2, first="item 0: another")]
-    merged = merge_replicas(replicas)
+    rollouts = _rollouts([0, 0, 1, 1], [0.0] * 4, {}, errors=4, first=failure)
     with pytest.raises(RewardFunctionError) as error:
-        merged.require_rewards()
+        rollouts.require_rewards()
     assert str(error.value) == f"all 4 reward calls failed (4 errors, 0 timeouts); first: {failure}"
 
-    replicas[1].num_reward_errors = 1  # one call succeeded: an unlucky batch, not a broken function
-    merge_replicas(replicas).require_rewards()
+    rollouts.num_reward_errors = 3  # one call succeeded: an unlucky batch, not a broken function
+    rollouts.require_rewards()

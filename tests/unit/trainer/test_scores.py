@@ -14,7 +14,8 @@ from megarl.trainer.scores import first_groups, informative, reward_model_scores
 
 def _rollouts(group_ids: list[int], scores: list[float]) -> Rollouts:
     prompts = [Prompt([g], "arithmetic", str(g), {}, g) for g in group_ids]
-    return Rollouts(prompts=prompts, group_ids=group_ids, response_ids=[[g, i] for i, g in enumerate(group_ids)],
+    return Rollouts(prompts=prompts, group_ids=group_ids, replicas=[0] * len(group_ids),
+                    response_lengths=[2] * len(group_ids), response_ids=[[g, i] for i, g in enumerate(group_ids)],
                     rollout_logprobs=[[-0.5, -0.5]] * len(group_ids), finish_reasons=["stop"] * len(group_ids),
                     scores=scores, score_extras={"length": [float(i) for i in range(len(group_ids))]})
 

@@ -1,0 +1,50 @@
+"""Which DP rank trains on which sequences of a step: whole groups, balanced by tokens.
+
+A step's groups (the n responses of one prompt) are numbered 0..G-1 in the step's order. The
+actor's first-epoch mini-batches (`mini_batch_groups`: seeded, the same at any DP) are each dealt
+over the DP ranks by tokens (`owned_groups`, the LPT rule). A DP rank keeps its groups whole, so
+group estimators (GRPO, RLOO) compute advantages on its share alone; `move_responses` brings the
+share's responses from the replicas that generated them to all TP and PP ranks of the DP rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megarl.distributed.layout import ParallelLayout
+from megarl.engine.batching import mini_batch_groups, owned_groups
+from megarl.trainer.rollouts import Rollouts, move_responses
+
+
+@dataclass
+class Share:
+    indices: list[int]
+    """This DP rank's sequences, as indices into the step's rollouts."""
+    group_ids_B: torch.Tensor
+    """Their groups' ids, 0..G-1 in the step."""
+    num_groups: int
+    """G, the step's number of groups."""
+
+
+def take_share(rollouts: Rollouts, layout: ParallelLayout, engine_tp: int, groups_per_mini_batch: int, seed: int,
+               step: int) -> tuple[Rollouts, Share]:
+    """This DP rank's part of the step's rollouts, its responses held here (collective: every rank calls)."""
+    groups = sorted(set(rollouts.group_ids))
+    number = {group: k for k, group in enumerate(groups)}
+    group_of = [number[group] for group in rollouts.group_ids]
+    tokens = [0] * len(groups)
+    for prompt, length, group in zip(rollouts.prompts, rollouts.response_lengths, group_of):
+        tokens[group] += len(prompt.prompt_ids) + length
+    owners = owned_groups(tokens, mini_batch_groups(len(groups), groups_per_mini_batch, seed, step, epoch=0), layout.dp)
+    if not all(owners):
+        raise RuntimeError(f"step {step}: {len(groups)} groups for {layout.dp} DP ranks; every DP rank needs a "
+                           "group: raise algorithm.max_filter_rounds or data.train_batch_size")
+    sequences = [[i for i, group in enumerate(group_of) if group in owned] for owned in map(set, owners)]
+    dp_rank_of = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
+    dist.all_gather(dp_rank_of, torch.tensor([layout.dp_rank]))
+    move_responses(rollouts, [sequences[int(dp_rank)] for dp_rank in dp_rank_of], engine_tp)
+    mine = sequences[layout.dp_rank]
+    return rollouts.select(mine), Share(mine, torch.tensor([group_of[i] for i in mine]), len(groups))
