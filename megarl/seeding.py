@@ -12,7 +12,6 @@ The streams (purpose: coordinates):
     "prompt_order":     draw=data epoch; the shuffled order of the training prompts
     "rollout":          step, draw=filter round; training generations (one engine call)
     "validation":       none; validation generations, the same at every validation (and in generate.py)
-    "engine_replica":   replica; splits one engine call's seed over the engine replicas
     "mini_batch_order": step, draw=PPO epoch; the order of sequences in an update's mini-batches
 Model initialisation is seeded by megatron-core from the run's seed (`init_layout`).
 """

@@ -1,8 +1,11 @@
 """Generation across the colocated engines, and the batch every rank then holds.
 
-Engines are replicas of TP_r consecutive ranks; replica k generates for prompts k, k + K, ... of
-the step (K replicas) and scores its responses with the reward function. One all-gather then gives
-every rank all responses, in prompt order, n per prompt (prompt-major).
+Engines are replicas of TP_r consecutive ranks; of K replicas, replica k generates for the k-th of K
+contiguous blocks of the step's prompts and scores its responses with the reward function. Prompt g
+of the step samples with seed `sampling.seed + g` on whichever replica holds it, so the responses do
+not depend on the layout (TP1 and TP2xPP2xDP2 runs of one seed sample the same tokens from the same
+weights). One all-gather then gives every rank all responses, in prompt order, n per prompt
+(prompt-major).
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ from megarl.data.dataset import Prompt
 from megarl.engine.batch import SequenceBatch, right_pad
 from megarl.rewards.manager import RewardFunctionError, RewardManager, ScoringItem
 from megarl.rollout.base import RolloutEngine, Sampling
-from megarl.seeding import derive_seed
 
 
 @dataclass
@@ -77,11 +79,12 @@ def collect_rollouts(prompts: list[Prompt], engine: RolloutEngine, sampling: Sam
     """Generate and score `sampling.n` responses per prompt on the engine replicas; all ranks return all."""
     rank, world = dist.get_rank(), dist.get_world_size()
     replica, num_replicas = rank // engine_tp, world // engine_tp
-    mine = list(range(replica, len(prompts), num_replicas))
+    start = replica * len(prompts) // num_replicas
+    mine = list(range(start, (replica + 1) * len(prompts) // num_replicas))
     local = Rollouts()
     if mine:
-        output = engine.generate([prompts[i].prompt_ids for i in mine],
-                                 replace(sampling, seed=derive_seed(sampling.seed, "engine_replica", replica=replica)))
+        # The engine samples request i with seed + i: request i is the step's prompt start + i.
+        output = engine.generate([prompts[i].prompt_ids for i in mine], replace(sampling, seed=sampling.seed + start))
         local.prompts = [prompts[i] for i in mine for _ in range(sampling.n)]
         local.group_ids = [i for i in mine for _ in range(sampling.n)]
         local.response_ids, local.rollout_logprobs = output.response_ids, output.logprobs

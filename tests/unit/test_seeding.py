@@ -6,7 +6,7 @@ import itertools
 
 from megarl.seeding import SEED_BITS, derive_seed
 
-PURPOSES = ("prompt_order", "rollout", "validation", "engine_replica", "mini_batch_order")
+PURPOSES = ("prompt_order", "rollout", "validation", "mini_batch_order")
 
 
 def test_seeds_are_deterministic_and_fit_a_64_bit_generator_with_request_offsets():
