@@ -20,7 +20,9 @@ the group of responses to the same prompt (sharing a group id).
                only reward is the outcome at the last token.)
 
 Sequence-level advantages are broadcast over the valid tokens of their response. "Whitened" is
-(x - mean) / sqrt(var + 1e-8) with the masked mean and unbiased masked variance (verl masked_whiten).
+(x - mean) / sqrt(var + 1e-8) with the masked mean and unbiased masked variance (verl masked_whiten)
+of the whole batch: an estimator given one DP rank's share of it gets the batch's statistics through
+`AdvantageInputs.sum_over_batch`.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from megarl.algorithms.aggregation import masked_mean
 from megarl.registry import Registry
 
 WHITEN_EPS = 1e-8
@@ -55,6 +56,9 @@ class AdvantageInputs:
     """grpo: divide by the group std."""
     epsilon: float = 1e-6
     """grpo: added to the group std."""
+    sum_over_batch: Callable[[Tensor], Tensor] = lambda sums: sums
+    """Adds a tensor of sums over this share's sequences across all shares of the batch (the trainer
+    all-reduces over DP); the identity when the inputs are the whole batch."""
 
 
 ADVANTAGE_ESTIMATORS: Registry[Callable[[AdvantageInputs], tuple[Tensor, Tensor]]] = Registry(
@@ -82,11 +86,14 @@ def register_estimator(name: str, *, needs_groups: bool = False, needs_greedy_ba
     return add
 
 
-def masked_whiten(values_BR: Tensor, mask_BR: Tensor) -> Tensor:
-    """(x - mean) / sqrt(var + 1e-8) over valid tokens, var unbiased (Bessel's correction)."""
-    mean = masked_mean(values_BR, mask_BR)
-    num_valid = mask_BR.sum()
-    variance = masked_mean((values_BR - mean) ** 2, mask_BR) * num_valid / (num_valid - 1).clamp(min=1)
+def masked_whiten(values_BR: Tensor, mask_BR: Tensor,
+                  sum_over_batch: Callable[[Tensor], Tensor] = lambda sums: sums) -> Tensor:
+    """(x - mean) / sqrt(var + 1e-8) over the valid tokens of the batch, var unbiased (Bessel's
+    correction); `values_BR` may be a share of the batch whose sums `sum_over_batch` completes."""
+    total, num_valid = sum_over_batch(torch.stack([(values_BR * mask_BR).sum(), mask_BR.sum()]))
+    mean = total / num_valid.clamp(min=1)
+    squares = sum_over_batch(((values_BR - mean) ** 2 * mask_BR).sum())
+    variance = squares / (num_valid - 1).clamp(min=1)
     return (values_BR - mean) * torch.rsqrt(variance + WHITEN_EPS)
 
 
@@ -130,7 +137,7 @@ def gae(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
         last_advantage_B = torch.where(valid_B > 0, advantage_B, last_advantage_B)
         advantages_BR[:, t] = last_advantage_B
     returns_BR = (advantages_BR + values_BR) * mask_BR
-    return masked_whiten(advantages_BR, mask_BR) * mask_BR, returns_BR
+    return masked_whiten(advantages_BR, mask_BR, inputs.sum_over_batch) * mask_BR, returns_BR
 
 
 @register_estimator("grpo", needs_groups=True)
@@ -171,7 +178,7 @@ def reinforce_plus_plus(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     for t in reversed(range(rewards_BR.shape[1])):
         running_B = rewards_BR[:, t] + inputs.gamma * running_B
         returns_BR[:, t] = running_B
-    return masked_whiten(returns_BR, mask_BR) * mask_BR, returns_BR * mask_BR
+    return masked_whiten(returns_BR, mask_BR, inputs.sum_over_batch) * mask_BR, returns_BR * mask_BR
 
 
 @register_estimator("remax", needs_greedy_baseline=True)

@@ -54,7 +54,7 @@ from megarl.trainer.metrics import (
 from megarl.trainer.policy import EngineSettings, RolloutPolicy
 from megarl.trainer.rollouts import Rollouts, collect_rollouts
 from megarl.trainer.scores import first_groups, informative, reward_model_scores, sequence_rewards
-from megarl.trainer.shares import take_share
+from megarl.trainer.shares import sum_over_shares, take_share
 from megarl.trainer.startup import Run
 from megarl.trainer.timing import PhaseTimer
 from megarl.trainer.validation import validation_metrics
@@ -283,7 +283,7 @@ class RLTrainer:
         advantages_BR, returns_BR = self.estimator(AdvantageInputs(
             token_rewards_BR=token_rewards_BR, mask_BR=mask_BR, group_ids_B=group_ids_B,
             values_BR=tensors.get("values"), baseline_rewards_B=baseline_B, gamma=algorithm.gamma, lam=algorithm.lam,
-            norm_by_std=algorithm.norm_adv_by_std,
+            norm_by_std=algorithm.norm_adv_by_std, sum_over_batch=lambda sums: sum_over_shares(sums, self.layout),
         ))
         tensors["advantages"], tensors["returns"] = advantages_BR * mask_BR, returns_BR * mask_BR
         valid = mask_BR.bool()

@@ -48,3 +48,11 @@ def take_share(rollouts: Rollouts, layout: ParallelLayout, engine_tp: int, group
     move_responses(rollouts, [sequences[int(dp_rank)] for dp_rank in dp_rank_of], engine_tp)
     mine = sequences[layout.dp_rank]
     return rollouts.select(mine), Share(mine, torch.tensor([group_of[i] for i in mine]), len(groups))
+
+
+def sum_over_shares(sums: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
+    """`sums` over this DP rank's share, added over all DP ranks' shares: the batch's sums (the TP
+    and PP ranks of a DP rank hold the same share, so the DP group counts each share once)."""
+    total = sums.clone()
+    dist.all_reduce(total, group=layout.dp_group)
+    return total
