@@ -294,6 +294,12 @@ class MegatronEngine:
             metrics = box[0]
         return metrics
 
+    @property
+    def weights_version(self) -> int:
+        """Changes whenever the weights may have: the optimizer steps taken (a checkpoint load restores
+        the count along with the weights)."""
+        return self.scheduler.num_steps if self.scheduler is not None else 0
+
     def is_single_step(self, batch_size: int, samples_per_prompt: int) -> bool:
         """Whether `update` on a batch of `batch_size` sequences is one optimizer step on all of it."""
         return self.config.ppo_epochs == 1 and self.config.ppo_mini_batch_size * samples_per_prompt >= batch_size

@@ -36,7 +36,10 @@ def rollout_metrics(rollouts: Rollouts, batch: SequenceBatch, scores: torch.Tens
     return metrics
 
 
-def sync_metrics(sync: SyncStats) -> dict[str, float]:
+def sync_metrics(sync: SyncStats | None) -> dict[str, float]:
+    """None: the step reused the engine's weights (synced by the validation before it)."""
+    if sync is None:
+        return {}
     return {"sync/seconds": sync.seconds, "sync/bytes_received": float(sync.bytes_received),
             "sync/bytes_over_lower_bound": sync.bytes_received / max(sync.lower_bound, 1)}
 

@@ -65,10 +65,17 @@ def _sources():
 
 
 def _world_plan(sources, shapes, engine_tp: int, world: int) -> Plan:
+    """Every rank's own plan, merged, after checking that each transfer between two ranks is in the
+    plans of both (a send without its receive, or the reverse, would hang the sync)."""
     def needs_of(rank):
         return engine_needs(rank, rank % engine_tp, engine_tp, shapes, ARCH)
 
-    return merge_plans([plan_for_rank(rank, sources, needs_of, shapes, itemsize=4) for rank in range(world)])
+    plans = [plan_for_rank(rank, sources, needs_of, shapes, itemsize=4) for rank in range(world)]
+    for rank, plan in enumerate(plans):
+        assert all(rank in (t.src, t.dst) for t in plan.transfers)
+        for t in plan.transfers:
+            assert t in plans[t.src].transfers and t in plans[t.dst].transfers, t
+    return merge_plans(plans)
 
 
 @pytest.fixture(scope="module")
