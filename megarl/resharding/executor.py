@@ -105,6 +105,31 @@ def layer_buckets(tensor_bytes: dict[str, int], bucket_bytes: int) -> list[list[
     return buckets + ([current] if current else [])
 
 
+def allocated_bytes(plan: Plan, rank: int, shard_shapes: dict[str, tuple[int, ...]],
+                    dtypes: dict[str, torch.dtype]) -> dict[str, int]:
+    """Bytes `rank` allocates per HF tensor in a sync: its engine shard, and a staging copy of each
+    slice it sends or receives that is not contiguous where it sits (a column slice)."""
+    def narrow_is_contiguous(shape, dim: int, length: int) -> bool:
+        return math.prod(shape[:dim]) == 1 or length == shape[dim]
+
+    def elements(shape, dim: int, length: int) -> int:
+        return math.prod(shape) // shape[dim] * length
+
+    allocated = defaultdict(int)
+    shapes = {}
+    for need in plan.needs:
+        shapes[need.hf_name] = list(plan.hf_shapes[need.hf_name])
+        shapes[need.hf_name][need.dim] = need.stop - need.start
+        allocated[need.hf_name] += math.prod(shapes[need.hf_name]) * dtypes[need.hf_name].itemsize
+    for t in plan.transfers:
+        if t.src == t.dst:
+            continue
+        shape = shard_shapes[t.megatron_name] if t.src == rank else shapes[t.hf_name]
+        if not narrow_is_contiguous(shape, t.dim, t.stop - t.start):
+            allocated[t.hf_name] += elements(shape, t.dim, t.stop - t.start) * dtypes[t.hf_name].itemsize
+    return allocated
+
+
 def gather_replica(described, layout: ParallelLayout) -> list:
     """`described` of every rank of this rank's DP replica (its TP group's, then every stage's)."""
     stage = [None] * layout.tp
@@ -136,11 +161,15 @@ class WeightSync:
 
         self.plan: Plan = plan_for_rank(self.rank, sources, needs_of, self.hf_shapes, itemsize)
         self.needs = {need.hf_name: need for need in self.plan.needs}
-        largest_shard = defaultdict(int)
-        for need in (need for tp_rank in range(engine_tp) for need in needs_of(tp_rank)):
-            size = self.plan.slice_bytes(need.hf_name, need.dim, need.start, need.stop)
-            largest_shard[need.hf_name] = max(largest_shard[need.hf_name], size)
-        self.buckets = layer_buckets({name: largest_shard[name] for name in self.hf_shapes}, bucket_bytes)
+        # Buckets by the most any rank allocates for each tensor, so that they are the same on every
+        # rank and none allocates more than one bucket.
+        names = sorted(self.hf_shapes)
+        mine = allocated_bytes(self.plan, self.rank, {name: shape for name, (shape, _) in shards.items()},
+                               self.hf_dtypes)
+        most = torch.tensor([mine[name] for name in names], dtype=torch.int64,
+                            device=next(module.parameters()).device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        self.buckets = layer_buckets(dict(zip(names, most.tolist())), bucket_bytes)
         # This rank's transfers per bucket, in one order on every rank: p2p messages between a pair
         # of ranks arrive in the order they were posted.
         bucket_of = {name: index for index, names in enumerate(self.buckets) for name in names}

@@ -7,13 +7,14 @@ import time
 from collections import defaultdict
 
 import pytest
+import torch
 
 from bench.resharding_cost_model import llama2, training_sources
 
 from megarl.models.architecture import Architecture
 from megarl.models.state_dict_adapter import ParamMapping, shard_pieces
 from megarl.resharding.engine_layout import engine_needs
-from megarl.resharding.executor import hf_shapes_from, layer_buckets
+from megarl.resharding.executor import allocated_bytes, hf_shapes_from, layer_buckets
 from megarl.resharding.plan import Plan, SourcePiece, Transfer, merge_plans, plan_for_rank
 
 ARCH = Architecture(
@@ -138,6 +139,19 @@ def test_receivers_spread_evenly_over_the_holders_of_a_replicated_tensor():
         senders = sorted(t.src for t in plan.transfers if t.hf_name == name and t.src != t.dst)
         holders = sorted(p.rank for p in sources if p.hf_name == name)
         assert senders == holders, name
+
+
+def test_rank0_allocates_its_engine_shard_and_staging_for_column_slices_by_hand():
+    # Engine rank 0 (TP_r=2) needs columns [0, 8) of each o_proj and [0, 4) of each down_proj
+    # (16 rows). Each part from another rank lands in a column slice of that shard, which is not
+    # contiguous: layer 0, o_proj [4, 8) from rank 1 and down_proj [2, 4); layer 1, all four parts.
+    # What it sends (whole shards of its own) needs no staging.
+    sources, shapes = _sources()
+    plan = plan_for_rank(0, sources, lambda r: engine_needs(r, r % 2, 2, shapes, ARCH), shapes, itemsize=4)
+    own = {mapping.megatron_name: shape for mapping, shape in _stage_mappings(0)}
+    staging = (16 * 4 + 16 * 2 + 2 * 16 * 4 + 2 * 16 * 2) * 4
+    allocated = allocated_bytes(plan, 0, own, {name: torch.float32 for name in shapes})
+    assert sum(allocated.values()) == plan.bytes_needed(0) + staging
 
 
 def test_buckets_keep_layers_whole():
