@@ -145,8 +145,8 @@ class WeightSync:
         self.module, self.engine = module, engine
         self.rank = layout.rank
         itemsize = next(module.parameters()).element_size()
-        shards = {name: (tuple(p.shape), p.dtype) for name, p in module.named_parameters()}
-        replica = gather_replica((self.rank, local_sources(module, arch, layout), shards), layout)
+        own_shards = {name: (tuple(p.shape), p.dtype) for name, p in module.named_parameters()}
+        replica = gather_replica((self.rank, local_sources(module, arch, layout), own_shards), layout)
         sources = [piece for _, pieces, _ in replica for piece in pieces]
         self.hf_shapes = hf_shapes_from(sources, {(rank, name): shape for rank, _, shards in replica
                                                   for name, (shape, _) in shards.items()})
@@ -163,13 +163,13 @@ class WeightSync:
         self.needs = {need.hf_name: need for need in self.plan.needs}
         # Buckets by the most any rank allocates for each tensor, so that they are the same on every
         # rank and none allocates more than one bucket.
-        names = sorted(self.hf_shapes)
-        mine = allocated_bytes(self.plan, self.rank, {name: shape for name, (shape, _) in shards.items()},
+        hf_names = sorted(self.hf_shapes)
+        mine = allocated_bytes(self.plan, self.rank, {name: shape for name, (shape, _) in own_shards.items()},
                                self.hf_dtypes)
-        most = torch.tensor([mine[name] for name in names], dtype=torch.int64,
+        most = torch.tensor([mine[name] for name in hf_names], dtype=torch.int64,
                             device=next(module.parameters()).device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
-        self.buckets = layer_buckets(dict(zip(names, most.tolist())), bucket_bytes)
+        self.buckets = layer_buckets(dict(zip(hf_names, most.tolist())), bucket_bytes)
         # This rank's transfers per bucket, in one order on every rank: p2p messages between a pair
         # of ranks arrive in the order they were posted.
         bucket_of = {name: index for index, names in enumerate(self.buckets) for name in names}
