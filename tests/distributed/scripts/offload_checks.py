@@ -91,14 +91,14 @@ def run(argv: list[str], layout) -> dict:
     EVENTS.clear()
     config = parse_config(argv, rl=True)
     trainer = ObservedTrainer(Run(config, layout, Path(config.trainer.output_dir) / config.trainer.experiment_name))
-    after_steps, history = [], []
+    after_steps, steps, validations = [], [], []
     for step in range(1, config.trainer.total_steps + 1):
-        history.append(trainer.step(step))
+        steps.append(trainer.step(step))
         after_steps.append(resident())
-        if step == 1:
-            history.append(trainer.validate(step))
-    history.append(trainer.validate(config.trainer.total_steps))
-    return {"events": list(EVENTS), "after_steps": after_steps, "history": history, "state": state_of(trainer)}
+        if step in (1, config.trainer.total_steps):
+            validations.append(trainer.validate(step))
+    return {"events": list(EVENTS), "after_steps": after_steps, "history": steps + validations, "steps": steps,
+            "state": state_of(trainer)}
 
 
 def main() -> None:
@@ -124,7 +124,7 @@ def main() -> None:
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() == 0:
         report = {"ranks": everyone, "compared": compared, "differing": differing,
-                  "losses": [[h["actor/pg_loss"], h["critic/vf_loss"]] for h in on["history"][:-1]]}
+                  "losses": [[h["actor/pg_loss"], h["critic/vf_loss"]] for h in on["steps"]]}
         print("REPORT " + json.dumps(report), flush=True)
     dist.destroy_process_group()
 
