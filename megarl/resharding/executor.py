@@ -7,9 +7,10 @@ engine, fed by a generator that walks the model in buckets of whole layers (the 
 layer once all its tensors arrived, so a layer never spans two buckets). Per bucket, this rank's
 transfers of the bucket run as one `batch_isend_irecv` into tensors of exactly its engine shard
 (`TensorShard` where the shard is part of an HF tensor); slices it holds itself are copied locally;
-the bucket goes to the engine and is freed before the next one. Buckets are sized by the largest
-engine shard of their tensors, so what a rank allocates per bucket stays within the bucket size
-at any engine TP size, plus staging copies of column slices (counted in the reported peak).
+the bucket goes to the engine and is freed before the next one. Buckets are sized by the most any
+rank allocates for their tensors (its engine shards plus staging copies of column slices), so what
+a rank allocates per bucket stays within the bucket size at any engine TP size, unless one layer
+alone is larger; the reported peak counts those allocations.
 """
 
 from __future__ import annotations
