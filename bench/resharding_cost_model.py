@@ -3,7 +3,7 @@ synced into vLLM engines at TP_r=8 (one per node), next to HybridFlow's publishe
 
     python bench/resharding_cost_model.py
 
-Bytes are not estimated: megarl's own planner (`megarl.resharding.plan.make_plan`) plans the sync,
+Bytes are not estimated: megarl's own planner (`megarl.resharding.plan.plan_for_rank`) plans the sync,
 from the slices every training rank holds (megatron-core's TP split of each HF tensor, read from
 the state-dict adapter's rules, and the layers of its pipeline stage) to the slices every engine
 rank needs (vLLM's TP split). Only the shard shapes are computed here, since a 70B model cannot be
@@ -20,6 +20,7 @@ DeepSpeed-Chat gathers the whole model on every GPU; at DP=1 HybridFlow-V gather
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -32,7 +33,7 @@ from megarl.models.architecture import Architecture, architecture_from_hf, padde
 from megarl.models.state_dict_adapter import param_mapping, shard_pieces  # noqa: E402
 from megarl.resharding.engine_layout import engine_needs  # noqa: E402
 from megarl.resharding.executor import hf_shapes_from  # noqa: E402
-from megarl.resharding.plan import Plan, SourcePiece, make_plan  # noqa: E402
+from megarl.resharding.plan import Plan, SourcePiece, merge_plans, plan_for_rank  # noqa: E402
 
 CPU_RESULTS = ROOT / "outputs/bench/resharding.json"
 GPUS_PER_NODE, TRAIN_TP, TRAIN_PP, ENGINE_TP, BF16 = 8, 8, 4, 8, 2
@@ -92,12 +93,14 @@ def stage_shard_shapes(arch: Architecture, tp: int, pp: int, stage: int) -> dict
     return shapes
 
 
-def training_sources(arch: Architecture, tp: int, pp: int) -> tuple[list[SourcePiece], dict]:
-    """Every training rank's HF slices (ranks ordered TP first, then PP; DP = 1) and shard shapes."""
+def training_sources(arch: Architecture, tp: int, pp: int, dp: int = 1, dp_rank: int = 0
+                     ) -> tuple[list[SourcePiece], dict]:
+    """The HF slices and shard shapes of every training rank of DP replica `dp_rank` (global ranks in
+    megatron's order, TP fastest, then DP, then PP)."""
     sources, shard_shapes = [], {}
     layers_per_stage = arch.num_layers // pp
-    for rank in range(tp * pp):
-        tp_rank, stage = rank % tp, rank // tp
+    for stage, tp_rank in itertools.product(range(pp), range(tp)):
+        rank = tp_rank + tp * (dp_rank + dp * stage)
         layer_numbers = {i: stage * layers_per_stage + i for i in range(layers_per_stage)}
         for name, shape in stage_shard_shapes(arch, tp, pp, stage).items():
             shard_shapes[(rank, name)] = shape
@@ -112,9 +115,11 @@ def training_sources(arch: Architecture, tp: int, pp: int) -> tuple[list[SourceP
 def plan_sync(arch: Architecture) -> Plan:
     sources, shard_shapes = training_sources(arch, TRAIN_TP, TRAIN_PP)
     hf_shapes = hf_shapes_from(sources, shard_shapes)
-    needs = [need for rank in range(TRAIN_TP * TRAIN_PP)
-             for need in engine_needs(rank, rank % ENGINE_TP, ENGINE_TP, hf_shapes, arch)]
-    return make_plan(sources, needs, hf_shapes, BF16)
+
+    def needs_of(rank: int):
+        return engine_needs(rank, rank % ENGINE_TP, ENGINE_TP, hf_shapes, arch)
+
+    return merge_plans([plan_for_rank(rank, sources, needs_of, hf_shapes, BF16) for rank in range(TRAIN_TP * TRAIN_PP)])
 
 
 def link_seconds(inter_node_per_gpu: list[float], intra_node_per_gpu: list[float], cluster: Cluster) -> float:

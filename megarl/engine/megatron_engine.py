@@ -287,6 +287,12 @@ class MegatronEngine:
             metrics = box[0]
         return metrics
 
+    @property
+    def weights_version(self) -> int:
+        """Changes whenever the weights may have: the optimizer steps taken (a checkpoint load restores
+        the count along with the weights)."""
+        return self.scheduler.num_steps if self.scheduler is not None else 0
+
     def is_single_step(self, num_groups: int) -> bool:
         """Whether `update` on a step of `num_groups` groups is one optimizer step on all of it."""
         return self.config.ppo_epochs == 1 and self.config.ppo_mini_batch_size >= num_groups

@@ -1,16 +1,21 @@
 """Running the resharding plan every RL step: training shards -> colocated rollout engine.
 
-Set-up (once): every rank describes the HF slices its shards hold, the descriptions are
-all-gathered, and every rank computes the same plan. Each sync is one load into the engine, fed by
-a generator that walks the model in buckets of whole layers (the engine processes a layer once all
-its tensors arrived, so a layer never spans two buckets). Per bucket, the bucket's transfers run as
-one `batch_isend_irecv`; slices a rank holds itself are copied locally; the bucket's HF tensors go
-to the engine and are freed before the next bucket, so no rank holds more than one bucket (plus
-column-slice staging) beyond its own shards.
+Set-up (once): every rank describes the HF slices its shards hold; the descriptions are gathered
+within its DP replica only (over its TP group, then its PP group: what it can send to or receive
+from), and every rank plans its own transfers (`plan_for_rank`). Each sync is one load into the
+engine, fed by a generator that walks the model in buckets of whole layers (the engine processes a
+layer once all its tensors arrived, so a layer never spans two buckets). Per bucket, this rank's
+transfers of the bucket run as one `batch_isend_irecv` into tensors of exactly its engine shard
+(`TensorShard` where the shard is part of an HF tensor); slices it holds itself are copied locally;
+the bucket goes to the engine and is freed before the next one. Buckets are sized by the most any
+rank allocates for their tensors (its engine shards plus staging copies of column slices), so what
+a rank allocates per bucket stays within the bucket size at any engine TP size, unless one layer
+alone is larger; the reported peak counts those allocations.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -23,7 +28,8 @@ from megarl.distributed.layout import ParallelLayout
 from megarl.models.architecture import Architecture
 from megarl.models.state_dict_adapter import param_mappings, shard_pieces
 from megarl.resharding.engine_layout import engine_needs
-from megarl.resharding.plan import Plan, SourcePiece, Transfer, make_plan
+from megarl.resharding.plan import Need, Plan, SourcePiece, Transfer, plan_for_rank
+from megarl.resharding.tensor_shard import TensorShard
 from megarl.rollout.base import RolloutEngine
 
 
@@ -36,7 +42,7 @@ class SyncStats:
     bytes_sent: int
     lower_bound: int
     peak_extra_bytes: int
-    """Largest bucket this rank held beyond its own shards: received tensors plus send buffers."""
+    """Most bytes this rank allocated for one bucket: its engine shards plus staging copies."""
 
 
 @dataclass
@@ -76,8 +82,9 @@ def hf_shapes_from(sources: list[SourcePiece], shard_shapes: dict[tuple[int, str
     return {name: tuple(shape) for name, shape in shapes.items()}
 
 
-def layer_buckets(hf_shapes: dict[str, tuple[int, ...]], itemsize: int, bucket_bytes: int) -> list[list[str]]:
-    """HF names in buckets of whole units (a decoder layer, or one global tensor), in model order."""
+def layer_buckets(tensor_bytes: dict[str, int], bucket_bytes: int) -> list[list[str]]:
+    """HF names in buckets of whole units (a decoder layer, or one global tensor), in model order,
+    each bucket at most `bucket_bytes` of `tensor_bytes` (unless one unit alone is larger)."""
     def unit(name: str) -> tuple[int, str]:
         if name.startswith("model.layers."):
             layer = int(name.split(".")[2])
@@ -86,11 +93,11 @@ def layer_buckets(hf_shapes: dict[str, tuple[int, ...]], itemsize: int, bucket_b
         return (order[name], name)
 
     units: dict[tuple[int, str], list[str]] = defaultdict(list)
-    for name in sorted(hf_shapes):
+    for name in sorted(tensor_bytes):
         units[unit(name)].append(name)
     buckets, current, size = [], [], 0
     for key in sorted(units):
-        unit_bytes = sum(torch.Size(hf_shapes[n]).numel() * itemsize for n in units[key])
+        unit_bytes = sum(tensor_bytes[n] for n in units[key])
         if current and size + unit_bytes > bucket_bytes:
             buckets.append(current)
             current, size = [], 0
@@ -99,35 +106,81 @@ def layer_buckets(hf_shapes: dict[str, tuple[int, ...]], itemsize: int, bucket_b
     return buckets + ([current] if current else [])
 
 
+def allocated_bytes(plan: Plan, rank: int, shard_shapes: dict[str, tuple[int, ...]],
+                    dtypes: dict[str, torch.dtype]) -> dict[str, int]:
+    """Bytes `rank` allocates per HF tensor in a sync: its engine shard, and a staging copy of each
+    slice it sends or receives that is not contiguous where it sits (a column slice)."""
+    def narrow_is_contiguous(shape, dim: int, length: int) -> bool:
+        return math.prod(shape[:dim]) == 1 or length == shape[dim]
+
+    def elements(shape, dim: int, length: int) -> int:
+        return math.prod(shape) // shape[dim] * length
+
+    allocated = defaultdict(int)
+    shapes = {}
+    for need in plan.needs:
+        shapes[need.hf_name] = list(plan.hf_shapes[need.hf_name])
+        shapes[need.hf_name][need.dim] = need.stop - need.start
+        allocated[need.hf_name] += math.prod(shapes[need.hf_name]) * dtypes[need.hf_name].itemsize
+    for t in plan.transfers:
+        if t.src == t.dst:
+            continue
+        shape = shard_shapes[t.megatron_name] if t.src == rank else shapes[t.hf_name]
+        if not narrow_is_contiguous(shape, t.dim, t.stop - t.start):
+            allocated[t.hf_name] += elements(shape, t.dim, t.stop - t.start) * dtypes[t.hf_name].itemsize
+    return allocated
+
+
+def gather_replica(described, layout: ParallelLayout) -> list:
+    """`described` of every rank of this rank's DP replica (its TP group's, then every stage's)."""
+    stage = [None] * layout.tp
+    dist.all_gather_object(stage, described, group=layout.tp_group)
+    stages = [None] * layout.pp
+    dist.all_gather_object(stages, stage, group=layout.pp_group)
+    return [rank_described for stage in stages for rank_described in stage]
+
+
 class WeightSync:
     def __init__(self, module: torch.nn.Module, arch: Architecture, layout: ParallelLayout,
                  engine: RolloutEngine, engine_tp: int, bucket_bytes: int):
         self.module, self.engine = module, engine
-        self.rank = dist.get_rank()
+        self.rank = layout.rank
         itemsize = next(module.parameters()).element_size()
-        described = [None] * dist.get_world_size()
-        shards = {(self.rank, name): (tuple(p.shape), p.dtype) for name, p in module.named_parameters()}
-        dist.all_gather_object(described, (local_sources(module, arch, layout), shards))
-        sources = [piece for pieces, _ in described for piece in pieces]
-        all_shards = {key: shard for _, shards in described for key, shard in shards.items()}
-        self.hf_shapes = hf_shapes_from(sources, {key: shape for key, (shape, _) in all_shards.items()})
+        own_shards = {name: (tuple(p.shape), p.dtype) for name, p in module.named_parameters()}
+        replica = gather_replica((self.rank, local_sources(module, arch, layout), own_shards), layout)
+        sources = [piece for _, pieces, _ in replica for piece in pieces]
+        self.hf_shapes = hf_shapes_from(sources, {(rank, name): shape for rank, _, shards in replica
+                                                  for name, (shape, _) in shards.items()})
         # Each HF tensor travels in its shard's dtype: a bf16 model keeps some parameters (layer norms of
         # megatron's local spec) in fp32, so the first parameter's dtype is not every tensor's.
-        self.hf_dtypes = {piece.hf_name: all_shards[(piece.rank, piece.megatron_name)][1] for piece in sources}
-        # vLLM forms its TP groups from consecutive ranks of the world.
-        needs = [need for rank in range(dist.get_world_size())
-                 for need in engine_needs(rank, rank % engine_tp, engine_tp, self.hf_shapes, arch)]
-        self.plan: Plan = make_plan(sources, needs, self.hf_shapes, itemsize)
-        self.buckets = layer_buckets(self.hf_shapes, itemsize, bucket_bytes)
+        dtypes = {(rank, name): dtype for rank, _, shards in replica for name, (_, dtype) in shards.items()}
+        self.hf_dtypes = {piece.hf_name: dtypes[(piece.rank, piece.megatron_name)] for piece in sources}
+        # vLLM forms its TP groups from consecutive ranks of the world: what a rank needs depends on
+        # its engine TP rank only.
+        def needs_of(rank: int) -> list[Need]:
+            return engine_needs(rank, rank % engine_tp, engine_tp, self.hf_shapes, arch)
+
+        self.plan: Plan = plan_for_rank(self.rank, sources, needs_of, self.hf_shapes, itemsize)
+        self.needs = {need.hf_name: need for need in self.plan.needs}
+        # Buckets by the most any rank allocates for each tensor, so that they are the same on every
+        # rank and none allocates more than one bucket.
+        hf_names = sorted(self.hf_shapes)
+        mine = allocated_bytes(self.plan, self.rank, {name: shape for name, (shape, _) in own_shards.items()},
+                               self.hf_dtypes)
+        most = torch.tensor([mine[name] for name in hf_names], dtype=torch.int64,
+                            device=next(module.parameters()).device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        self.buckets = layer_buckets(dict(zip(hf_names, most.tolist())), bucket_bytes)
+        # This rank's transfers per bucket, in one order on every rank: p2p messages between a pair
+        # of ranks arrive in the order they were posted.
+        bucket_of = {name: index for index, names in enumerate(self.buckets) for name in names}
+        self.bucket_transfers: list[list[Transfer]] = [[] for _ in self.buckets]
+        for t in sorted(self.plan.transfers, key=lambda t: (t.hf_name, t.src, t.dst, t.start)):
+            self.bucket_transfers[bucket_of[t.hf_name]].append(t)
 
     def _shard_slice(self, params: dict, transfer: Transfer) -> torch.Tensor:
         shard = params[transfer.megatron_name].detach()
         return shard.narrow(transfer.dim, transfer.shard_offset, transfer.stop - transfer.start)
-
-    def _slice_shape(self, transfer: Transfer) -> list[int]:
-        shape = list(self.hf_shapes[transfer.hf_name])
-        shape[transfer.dim] = transfer.stop - transfer.start
-        return shape
 
     @torch.no_grad()
     def sync(self, step: int) -> SyncStats:
@@ -156,41 +209,60 @@ class WeightSync:
                          self.plan.lower_bound(self.rank), progress.peak)
 
     def _buckets_in(self, progress: _SyncProgress) -> Iterator[tuple[str, torch.Tensor]]:
-        """This rank's HF tensors, bucket by bucket; a bucket is freed before the next one arrives."""
+        """This rank's engine shards, bucket by bucket; a bucket is freed before the next one arrives."""
         params = dict(self.module.named_parameters())
-        for names in self.buckets:
+        for names, transfers in zip(self.buckets, self.bucket_transfers):
             transfer_start = time.perf_counter()
             progress.bucket = names
-            tensors = self._receive_bucket(params, set(names), progress)
+            tensors = self._receive_bucket(params, transfers, progress)
             progress.transfer_seconds += time.perf_counter() - transfer_start
-            yield from tensors.items()
+            yield from ((name, self._as_hf_tensor(name, shard)) for name, shard in tensors.items())
             del tensors  # before the next bucket arrives, not after
 
-    def _receive_bucket(self, params: dict, in_bucket: set[str], progress: _SyncProgress) -> dict[str, torch.Tensor]:
-        transfers = [t for t in self.plan.transfers if t.hf_name in in_bucket and self.rank in (t.src, t.dst)]
+    def _as_hf_tensor(self, name: str, shard: torch.Tensor) -> torch.Tensor:
+        """The engine shard as the HF tensor it is part of (itself when the engine needs it whole)."""
+        need = self.needs[name]
+        if need.stop - need.start == self.hf_shapes[name][need.dim]:
+            return shard
+        return TensorShard(shard, self.hf_shapes[name], need.dim, need.start)
+
+    def _receive_bucket(self, params: dict, transfers: list[Transfer], progress: _SyncProgress
+                        ) -> dict[str, torch.Tensor]:
+        """This rank's engine shards of one bucket, filled by its transfers; counts what it allocates."""
         device = next(iter(params.values())).device
-        tensors = {t.hf_name: torch.empty(self.hf_shapes[t.hf_name], dtype=self.hf_dtypes[t.hf_name], device=device)
-                   for t in transfers if t.dst == self.rank}
-        # One message per transfer, in plan order on both sides (p2p messages between a pair of
-        # ranks arrive in order). Contiguous slices (splits along dim 0) are sent from the shard
-        # and received into the destination tensor directly; only column slices need a buffer.
-        ops, unpack, buffer_bytes = [], [], 0
+        allocated = 0
+
+        def allocate(shape, dtype) -> torch.Tensor:
+            nonlocal allocated
+            allocated += math.prod(shape) * dtype.itemsize
+            return torch.empty(shape, dtype=dtype, device=device)
+
+        tensors = {}
         for t in transfers:
+            if t.dst == self.rank and t.hf_name not in tensors:
+                need = self.needs[t.hf_name]
+                shape = list(self.hf_shapes[t.hf_name])
+                shape[need.dim] = need.stop - need.start
+                tensors[t.hf_name] = allocate(shape, self.hf_dtypes[t.hf_name])
+        # One message per transfer, in the same order on both sides. Contiguous slices (splits along
+        # dim 0) are sent from the shard and received into the engine shard directly; only column
+        # slices need a staging copy.
+        ops, unpack = [], []
+        for t in transfers:
+            if t.dst == self.rank:
+                target = tensors[t.hf_name].narrow(t.dim, t.start - self.needs[t.hf_name].start, t.stop - t.start)
             if t.src == t.dst:
-                tensors[t.hf_name].narrow(t.dim, t.start, t.stop - t.start).copy_(self._shard_slice(params, t))
+                target.copy_(self._shard_slice(params, t))
             elif t.src == self.rank:
                 piece = self._shard_slice(params, t)
                 if not piece.is_contiguous():
-                    piece = piece.contiguous()
-                    buffer_bytes += piece.numel() * piece.element_size()
+                    piece = allocate(piece.shape, piece.dtype).copy_(piece)
                 ops.append(dist.P2POp(dist.isend, piece, t.dst))
                 progress.sent += piece.numel() * piece.element_size()
             else:
-                target = tensors[t.hf_name].narrow(t.dim, t.start, t.stop - t.start)
-                landing = target if target.is_contiguous() else torch.empty_like(target)
+                landing = target if target.is_contiguous() else allocate(target.shape, target.dtype)
                 if landing is not target:
                     unpack.append((landing, target))
-                    buffer_bytes += landing.numel() * landing.element_size()
                 ops.append(dist.P2POp(dist.irecv, landing, t.src))
                 progress.received += landing.numel() * landing.element_size()
         if ops:
@@ -198,7 +270,5 @@ class WeightSync:
                 request.wait()
         for landing, target in unpack:
             target.copy_(landing)
-        needed_here = sum(self.plan.slice_bytes(t.hf_name, t.dim, t.start, t.stop) for t in transfers
-                          if t.dst == self.rank)
-        progress.peak = max(progress.peak, needed_here + buffer_bytes)
+        progress.peak = max(progress.peak, allocated)
         return tensors

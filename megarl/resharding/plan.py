@@ -1,14 +1,21 @@
 """The resharding plan: which training rank sends which slice of which HF tensor to which engine rank.
 
-Everything here is pure: from the slices every training rank holds (`SourcePiece`, derived from the
-state-dict adapter's pieces) and the slices every engine rank needs (`Need`, from the engine's own
-TP sharding), `make_plan` lists the transfers. Every HF tensor is split along one dim on both
-sides, so slices are intervals [start, stop) along that dim and planning is interval covering:
+Everything here is pure: from the slices the training ranks of one DP replica hold (`SourcePiece`,
+derived from the state-dict adapter's pieces) and the slices engine ranks need (`Need`, from the
+engine's own TP sharding), `plan_for_rank` lists the transfers one rank takes part in. Every HF
+tensor is split along one dim on both sides, so slices are intervals [start, stop) along that dim
+and planning is interval covering:
 
 - a rank never receives bytes it already holds: where it holds part of a need, that part is a local
   copy, so bytes received per rank equal the lower bound (bytes needed - bytes held);
-- among several holders of a slice (DP replicas, replicated norms on every TP rank, a tied
-  embedding's two copies) the one that has sent the fewest bytes so far is chosen.
+- a rank receives only from its own DP replica (the TP x PP ranks that together hold one copy of the
+  model), so each replica is planned alone and a rank plans over its replica, whatever the world size;
+- among several holders of a slice in the replica (replicated norms on every TP rank, a tied
+  embedding's two copies) the receiver picks one by its own rank, so that receivers spread over the
+  holders and sender and receiver make the same choice without talking.
+
+Each rank computes only its own transfers: those it receives (its needs, covered) and those it
+sends (the needs of the other ranks of its replica, covered the same way, kept where it is chosen).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -86,34 +94,53 @@ class Plan:
         return self.bytes_needed(rank) - self.bytes_held(rank)
 
 
-def make_plan(sources: list[SourcePiece], needs: list[Need], hf_shapes: dict[str, tuple[int, ...]],
-              itemsize: int) -> Plan:
+def plan_for_rank(rank: int, replica: list[SourcePiece], needs_of: Callable[[int], list[Need]],
+                  hf_shapes: dict[str, tuple[int, ...]], itemsize: int) -> Plan:
+    """The transfers `rank` sends or receives. `replica`: the pieces every rank of `rank`'s DP replica
+    holds; `needs_of(r)`: what engine rank r needs (a pure function of r's engine TP rank)."""
     by_name: dict[str, list[SourcePiece]] = defaultdict(list)
-    for piece in sources:
+    for piece in replica:
         by_name[piece.hf_name].append(piece)
-    plan = Plan([], hf_shapes, itemsize, needs)
-    sent: dict[int, int] = defaultdict(int)
-    for need in needs:
-        pieces = by_name.get(need.hf_name)
-        if not pieces:
-            raise ValueError(f"no training rank holds {need.hf_name!r}, needed by engine rank {need.rank}")
-        position = need.start
-        while position < need.stop:
-            covering = [p for p in pieces if p.start <= position < p.stop]
-            if not covering:
-                raise ValueError(f"{need.hf_name!r}[{position}] along dim {need.dim} is held by no training rank")
-            local = [p for p in covering if p.rank == need.rank]
-            if local:
-                piece = max(local, key=lambda p: p.stop)
-                end = min(piece.stop, need.stop)
-            else:
-                piece = min(covering, key=lambda p: (sent[p.rank], p.rank))
-                # Stop where a local piece begins: those bytes must not travel.
-                local_starts = [p.start for p in pieces if p.rank == need.rank and position < p.start]
-                end = min([piece.stop, need.stop, *local_starts])
-            plan.transfers.append(Transfer(piece.rank, need.rank, need.hf_name, need.dim, position, end,
-                                           piece.megatron_name, piece.shard_offset + position - piece.start))
-            if piece.rank != need.rank:
-                sent[piece.rank] += plan.slice_bytes(need.hf_name, need.dim, position, end)
-            position = end
+    mine = {piece.hf_name for piece in replica if piece.rank == rank}
+    plan = Plan([], hf_shapes, itemsize, needs_of(rank))
+    for need in plan.needs:
+        plan.transfers += _cover(need, by_name)
+    for receiver in sorted({piece.rank for piece in replica} - {rank}):
+        for need in needs_of(receiver):
+            if need.hf_name in mine:
+                plan.transfers += [t for t in _cover(need, by_name) if t.src == rank]
     return plan
+
+
+def merge_plans(plans: list[Plan]) -> Plan:
+    """Several ranks' plans as one, each transfer once (for analysis and tests: no rank needs this)."""
+    transfers = {t for plan in plans for t in plan.transfers}
+    return Plan(sorted(transfers, key=lambda t: (t.dst, t.hf_name, t.start, t.src)), plans[0].hf_shapes,
+                plans[0].itemsize, [need for plan in plans for need in plan.needs])
+
+
+def _cover(need: Need, by_name: dict[str, list[SourcePiece]]) -> list[Transfer]:
+    """The transfers that fill `need` from the replica's pieces: local pieces first, every other
+    interval from one of its holders, chosen by the receiver's rank."""
+    pieces = by_name.get(need.hf_name)
+    if not pieces:
+        raise ValueError(f"no training rank holds {need.hf_name!r}, needed by engine rank {need.rank}")
+    local_starts = sorted(p.start for p in pieces if p.rank == need.rank)
+    transfers, position = [], need.start
+    while position < need.stop:
+        covering = [p for p in pieces if p.start <= position < p.stop]
+        if not covering:
+            raise ValueError(f"{need.hf_name!r}[{position}] along dim {need.dim} is held by no training rank")
+        local = [p for p in covering if p.rank == need.rank]
+        if local:
+            piece = max(local, key=lambda p: p.stop)
+            end = min(piece.stop, need.stop)
+        else:
+            covering.sort(key=lambda p: p.rank)
+            piece = covering[need.rank % len(covering)]
+            # Stop where a local piece begins: those bytes must not travel.
+            end = min([piece.stop, need.stop, *(s for s in local_starts if s > position)])
+        transfers.append(Transfer(piece.rank, need.rank, need.hf_name, need.dim, position, end,
+                                  piece.megatron_name, piece.shard_offset + position - piece.start))
+        position = end
+    return transfers

@@ -54,8 +54,9 @@ class RolloutEngine(Protocol):
 
     def end_weight_update(self) -> None: ...
 
-    def sleep(self) -> None:
-        """Free KV cache and weights while the trainer runs (GPU); a no-op on CPU."""
+    def sleep(self, keep_weights: bool) -> None:
+        """Free the KV cache and, unless `keep_weights` (then moved to host memory), the weights
+        while the trainer runs (GPU); a no-op on CPU."""
 
     def wake_up(self, tags: tuple[str, ...]) -> None:
         """Map back what `tags` name (GPU; a no-op on CPU): "weights" before a weight sync,

@@ -67,7 +67,7 @@ class HFRollout:
     def end_weight_update(self) -> None:
         self.guard.end()
 
-    def sleep(self) -> None:
+    def sleep(self, keep_weights: bool) -> None:
         pass
 
     def wake_up(self, tags: tuple[str, ...]) -> None:

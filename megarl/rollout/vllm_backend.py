@@ -135,9 +135,10 @@ class VLLMRollout:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
-    def sleep(self) -> None:
+    def sleep(self, keep_weights: bool) -> None:
         if device.sleep_mode():
-            self.llm.sleep(level=2)  # weights are overwritten by the next sync: drop them too
+            # Level 1 moves the weights to host memory, level 2 drops them (the next sync overwrites them).
+            self.llm.sleep(level=1 if keep_weights else 2)
 
     def wake_up(self, tags: tuple[str, ...]) -> None:
         if device.sleep_mode():

@@ -98,7 +98,10 @@ def batch_stats(stats: ShareStats, batch: SequenceBatch, entropy_BR: torch.Tenso
     stats.sums["throughput/tokens_per_s"] = int(batch.sequence_lengths_B.sum()) / max(seconds, 1e-9)
 
 
-def sync_metrics(sync: SyncStats) -> dict[str, float]:
+def sync_metrics(sync: SyncStats | None) -> dict[str, float]:
+    """None: the step reused the engine's weights (synced by the validation before it)."""
+    if sync is None:
+        return {}
     return {"sync/seconds": sync.seconds, "sync/bytes_received": float(sync.bytes_received),
             "sync/bytes_over_lower_bound": sync.bytes_received / max(sync.lower_bound, 1)}
 

@@ -11,12 +11,16 @@ the checkpoint's weights a second time (minutes for a large model) would be wast
 shared in time: the engine is created while the models that offload are off the device (vLLM sizes
 its KV cache from the free memory it sees then), and each rollout wakes the engine's weights
 before the sync and its KV cache after it, once the policy's own parameters have left too.
+
+A sync is skipped when the engine still holds the weights of the current `weights_version` (the
+training weights change only by an optimizer step or a checkpoint load): a validation's sync serves
+the next step's rollout too, if the validation left the engine asleep with its weights kept.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -46,37 +50,51 @@ class EngineSettings:
 
 class RolloutPolicy:
     def __init__(self, module: torch.nn.Module, arch: Architecture, layout: ParallelLayout, settings: EngineSettings,
-                 offload: Sequence[MemoryPhases] = (), policy_memory: MemoryPhases | None = None):
+                 offload: Sequence[MemoryPhases] = (), policy_memory: MemoryPhases | None = None,
+                 weights_version: Callable[[], int] = lambda: 0):
         """`offload`: memory phases of the models that leave the device during rollouts; the policy's
-        own (`policy_memory`, if among them) keeps its parameters until the sync has read them."""
+        own (`policy_memory`, if among them) keeps its parameters until the sync has read them.
+        `weights_version`: changes whenever `module`'s weights may have (constant: they never do)."""
         self.offload, self.policy_memory = list(offload), policy_memory
+        self.weights_version = weights_version
+        self.engine_version: int | None = None
+        """The weights version the engine holds; None when it holds none we know of."""
         for memory in self.offload:
             memory.offload()
         self.engine: RolloutEngine = ROLLOUT_BACKENDS.get(settings.backend)(
             settings.model_path, dtype=settings.dtype, tensor_parallel_size=settings.tp,
             max_model_len=settings.max_model_len, kv_cache_bytes=settings.kv_cache_bytes,
             gpu_memory_utilization=settings.gpu_memory_utilization, seed=settings.seed, dummy_weights=True)
-        self.engine.sleep()
+        self.engine.sleep(keep_weights=False)
         for memory in self.offload:
             memory.reload()
         self.sync = WeightSync(module, arch, layout, self.engine, settings.tp, settings.bucket_bytes)
 
-    def enter_rollout(self, step: int, timer: PhaseTimer) -> SyncStats:
-        """Models out, engine in, each part into the memory the previous one freed."""
+    def enter_rollout(self, step: int, timer: PhaseTimer) -> SyncStats | None:
+        """Models out, engine in, each part into the memory the previous one freed. Returns the
+        sync's statistics, None when the engine already held the current weights."""
         with timer("offload"):
             for memory in self.offload:
                 memory.offload(keep_params=memory is self.policy_memory)  # the sync reads them
         with timer("reshard"):
             self.engine.wake_up(("weights",))
-            sync = self.sync.sync(step)
+            version, sync = self.weights_version(), None
+            if version != self.engine_version:
+                self.engine_version = None  # until the sync succeeds
+                sync = self.sync.sync(step)
+                self.engine_version = version
         with timer("offload"):
             if self.policy_memory in self.offload:
                 self.policy_memory.offload()
             self.engine.wake_up(("kv_cache",))
         return sync
 
-    def leave_rollout(self, timer: PhaseTimer) -> None:
+    def leave_rollout(self, timer: PhaseTimer, keep_weights: bool = False) -> None:
+        """`keep_weights`: the engine keeps its weights while asleep (on GPU in host memory), so that
+        the next rollout reuses them if no optimizer step came in between."""
         with timer("reload"):
-            self.engine.sleep()
+            self.engine.sleep(keep_weights)
+            if not keep_weights:
+                self.engine_version = None
             for memory in self.offload:
                 memory.reload()

@@ -135,7 +135,8 @@ class RLTrainer:
         # The reference follows `actor.offload`.
         offloading = [engine.memory for engine in (self.actor, self.reference, self.critic)
                       if engine is not None and engine.config.offload]
-        return RolloutPolicy(self.actor.module, self.actor.arch, self.layout, settings, offloading, self.actor.memory)
+        return RolloutPolicy(self.actor.module, self.actor.arch, self.layout, settings, offloading, self.actor.memory,
+                             weights_version=lambda: self.actor.weights_version)
 
     def _sampling(self, step: int, validation: bool, draw: int = 0) -> Sampling:
         """Sampling of one engine call; `draw` numbers the calls of one step (DAPO's filter rounds)."""
@@ -297,12 +298,13 @@ class RLTrainer:
 
     def validate(self, step: int) -> dict[str, float]:
         """Validation of the weights as they are now: synced first, because after a step the engine
-        still holds the weights that step started from (a checkpoint of `step` holds the updated ones)."""
+        still holds the weights that step started from (a checkpoint of `step` holds the updated ones).
+        The engine keeps these weights asleep: the next step's rollout starts from them, unsynced."""
         timer = PhaseTimer(step)
         self.policy.enter_rollout(step, timer)
         limit = self.config.data.max_val_samples or len(self.val_data)
         prompts = [self.val_data[i] for i in range(min(limit, len(self.val_data)))]
         rollouts = self._collect(prompts, self._sampling(0, validation=True))
-        self.policy.leave_rollout(timer)
+        self.policy.leave_rollout(timer, keep_weights=True)
         return validation_metrics(rollouts, self.config.rollout.val_n)
 

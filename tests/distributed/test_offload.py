@@ -2,15 +2,18 @@
 PP2 (bf16) and DP2 (fp32 with the distributed optimizer, whose main parameters are views of DDP's
 parameter buffer), 2 processes each.
 
-One launch per layout runs PPO (actor, reference for the KL reward, critic) for three steps and a
-validation, offload off then on (tests/distributed/scripts/offload_checks.py). Checks:
+One launch per layout runs PPO (actor, reference for the KL reward, critic) for three steps with a
+validation after the first and the last, offload off then on (tests/distributed/scripts/offload_checks.py).
+Checks:
 - the metrics of every step (losses, rewards, KL, grad norms, ...) and the final weights and
   optimizer states are bitwise equal with and without offload (same program, same bytes);
 - with offload, the actor, reference and critic hold no device storage while the engine is created
   and while it generates, and only the actor's parameters during the weight sync; after each step
   they hold exactly what the run without offload holds;
 - the rollout engine's phase calls come in the order that lets each part fit: created then put to
-  sleep; per rollout, weights woken before the sync, KV cache after it, asleep again afterwards.
+  sleep; per rollout, weights woken before the sync, KV cache after it, asleep again afterwards;
+- a validation's sync is the next step's: the engine sleeps keeping its weights and the step after
+  it loads none (one weight update fewer).
 bf16 without the distributed optimizer (TP2) is the case whose weights used never to leave. bf16 at
 PP2 keeps fp32 layer norms on the second stage, whose weight sync used to assume the first
 parameter's dtype for every tensor.
@@ -30,7 +33,9 @@ LAYOUTS = {"tp2": ["actor.tp=2", "model.dtype=bfloat16", "actor.use_distributed_
                    "critic.use_distributed_optimizer=false"],
            "pp2": ["actor.pp=2", "model.dtype=bfloat16"], "dp2": []}
 ROLLOUT = ["wake_up weights", "begin_weight_update", "end_weight_update", "wake_up kv_cache", "generate", "sleep"]
-EXPECTED_PHASES = ["create", "sleep"] + ROLLOUT * 4  # three steps, then a validation
+VALIDATION = ROLLOUT[:-1] + ["sleep keeping weights"]
+REUSED = ["wake_up weights", "wake_up kv_cache", "generate", "sleep"]  # no weight update
+EXPECTED_PHASES = ["create", "sleep"] + ROLLOUT + VALIDATION + REUSED + ROLLOUT + VALIDATION
 
 
 def _phases(events):

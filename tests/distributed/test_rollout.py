@@ -4,8 +4,9 @@ Each launch trains a step, syncs the training shards into a vLLM engine and an `
 rank, and checks: the synced weights are bit-identical to the HF export of the training model,
 greedy generations of vLLM and `hf` agree token for token, after a second optimizer step and sync
 vLLM's sampled-token log-probs equal the trainer's (<= 1e-4), bytes received equal the analytic
-lower bound, a sync is one vLLM reload processing each layer once with no layer left unloaded, and
-failed generations or syncs never leave a half-loaded engine serving.
+lower bound, the reported peak is what a bucket allocates and within the bucket size (unless one
+layer alone exceeds it), a sync is one vLLM reload processing each layer once with no layer left
+unloaded, and failed generations or syncs never leave a half-loaded engine serving.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def test_rollout_after_resharding(tiny_models, tmp_path, case):
     assert report["buckets"] > 1 and report["reloads_per_sync"] == 1, report
     assert report["layers_processed_once"] and report["failed_load_warnings"] == [], report
     assert report["bytes_received"] == report["lower_bound"] == rank0_lower_bound(tiny_models[model], tp, pp, engine_tp)
+    assert 0 < report["peak_reported"] == report["peak_allocated"], report
+    assert all(units == 1 for units in report["units_of_buckets_over_size"]), report
     assert report["long_prompt_rejected"] and report["after_failed_generation_equal"], report
     # vLLM's loader rejects the norm of the wrong shape: "Attempted to load weight (torch.Size([3])) into ..."
     assert report["failed_load_error"].startswith("AssertionError: ") and "Size([3])" in report["failed_load_error"]

@@ -1,6 +1,7 @@
 """The RL trainer with and without `actor.offload`/`critic.offload`, in one torchrun world.
 
-Runs the same config twice, offload off then on, three RL steps and a validation each, with the
+Runs the same config twice, offload off then on, three RL steps with a validation after the first
+(whose sync the second step reuses) and after the last, with the
 real `hf` rollout backend subclassed to record every phase call (create, sleep, wake with tags,
 weight update begin/end, generate) and, at each call, the bytes of device storage still held by
 the actor's parameters, the rest of the actor, the reference and the critic. Prints one REPORT
@@ -54,9 +55,9 @@ class RecordingHFRollout(HFRollout):
         EVENTS.append(("end_weight_update", resident()))
         super().end_weight_update()
 
-    def sleep(self):
-        EVENTS.append(("sleep", resident()))
-        super().sleep()
+    def sleep(self, keep_weights):
+        EVENTS.append(("sleep keeping weights" if keep_weights else "sleep", resident()))
+        super().sleep(keep_weights)
 
     def wake_up(self, tags):
         EVENTS.append(("wake_up " + "+".join(tags), resident()))
@@ -90,12 +91,14 @@ def run(argv: list[str], layout) -> dict:
     EVENTS.clear()
     config = parse_config(argv, rl=True)
     trainer = ObservedTrainer(Run(config, layout, Path(config.trainer.output_dir) / config.trainer.experiment_name))
-    after_steps, history = [], []
+    after_steps, steps, validations = [], [], []
     for step in range(1, config.trainer.total_steps + 1):
-        history.append(trainer.step(step))
+        steps.append(trainer.step(step))
         after_steps.append(resident())
-    history.append(trainer.validate(config.trainer.total_steps))
-    return {"events": list(EVENTS), "after_steps": after_steps, "history": history, "state": state_of(trainer)}
+        if step in (1, config.trainer.total_steps):
+            validations.append(trainer.validate(step))
+    return {"events": list(EVENTS), "after_steps": after_steps, "history": steps + validations, "steps": steps,
+            "state": state_of(trainer)}
 
 
 def main() -> None:
@@ -121,7 +124,7 @@ def main() -> None:
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() == 0:
         report = {"ranks": everyone, "compared": compared, "differing": differing,
-                  "losses": [[h["actor/pg_loss"], h["critic/vf_loss"]] for h in on["history"][:-1]]}
+                  "losses": [[h["actor/pg_loss"], h["critic/vf_loss"]] for h in on["steps"]]}
         print("REPORT " + json.dumps(report), flush=True)
     dist.destroy_process_group()
 

@@ -5,7 +5,8 @@ syncs them into a vLLM engine and an `hf` engine on every rank, and reports (ran
 - bit-identity of the synced weights with the HF export of the training model,
 - greedy generations of vLLM vs `hf`, token for token,
 - after a second optimizer step and sync, vLLM's sampled-token log-probs vs the trainer's,
-- bytes moved vs the plan's lower bound, and recovery from a failed generation and a failed sync
+- bytes moved vs the plan's lower bound, the reported peak vs the bytes allocated while receiving a
+  bucket (counted at torch's dispatcher), and recovery from a failed generation and a failed sync
   (the error, the refusal, and the old weights back in place).
 """
 
@@ -18,6 +19,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from torch.utils._python_dispatch import TorchDispatchMode
 from vllm.model_executor.model_loader.reload import inplace, layerwise
 
 from megarl.config.schema import EngineConfig, ModelConfig, OptimizerConfig
@@ -107,13 +109,50 @@ class ReloadCounter(logging.Handler):
         return all(self.processed[owner] == 1 for owner in owners) and max(self.processed.values()) == 1
 
 
+class AllocationCounter(TorchDispatchMode):
+    """Bytes of the tensors that allocating ops create, whoever calls them."""
+
+    ALLOCATING = {torch.ops.aten.empty, torch.ops.aten.empty_strided, torch.ops.aten.empty_like,
+                  torch.ops.aten.clone, torch.ops.aten.zeros, torch.ops.aten.new_empty}
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in self.ALLOCATING:
+            self.bytes += out.numel() * out.element_size()
+        return out
+
+
+def count_bucket_allocations(sync) -> list[int]:
+    """Wraps `sync`'s per-bucket receive (unchanged, only measured): bytes it allocates per bucket."""
+    receive, counts = sync._receive_bucket, []
+
+    def measured(*args, **kwargs):
+        with AllocationCounter() as counter:
+            result = receive(*args, **kwargs)
+        counts.append(counter.bytes)
+        return result
+
+    sync._receive_bucket = measured
+    return counts
+
+
 train_step([[7, 8, 9, 10]] * 4)
 vllm = VLLMRollout(args.hf, "float32", args.engine_tp, max_model_len=128, kv_cache_bytes=32 << 20,
                    gpu_memory_utilization=0.3, seed=0)
 reference = HFRollout(args.hf, "float32")
 vllm_sync = WeightSync(actor.module, actor.arch, layout, vllm, args.engine_tp, bucket_bytes=1 << 20)
 hf_sync = WeightSync(actor.module, actor.arch, layout, reference, 1, bucket_bytes=1 << 20)
+allocations = count_bucket_allocations(vllm_sync)
 stats = vllm_sync.sync(step=1)
+report["peak_reported"], report["peak_allocated"] = stats.peak_extra_bytes, max(allocations)
+# A bucket may exceed its size only when it is one unit (a layer, or a global tensor) that alone does.
+report["units_of_buckets_over_size"] = [
+    len({name.split(".")[2] if name.startswith("model.layers.") else name for name in names})
+    for names, allocated in zip(vllm_sync.buckets, allocations) if allocated > 1 << 20]
 hf_sync.sync(step=1)
 export_hf(actor.module, actor.arch, layout, args.out, args.hf)
 

@@ -1,14 +1,21 @@
-"""The resharding plan is pure: checked by hand for TP4xPP2 training -> TP_r=2 engine, no processes."""
+"""The resharding plan is pure: checked by hand for TP4xPP2 training -> TP_r=2 engine, against the
+whole-world greedy planner it replaced, and at 1,024 ranks (TP8xPP8xDP16 -> TP_r=8), no processes."""
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict
+
 import pytest
+import torch
+
+from bench.resharding_cost_model import llama2, training_sources
 
 from megarl.models.architecture import Architecture
 from megarl.models.state_dict_adapter import ParamMapping, shard_pieces
 from megarl.resharding.engine_layout import engine_needs
-from megarl.resharding.executor import hf_shapes_from, layer_buckets
-from megarl.resharding.plan import SourcePiece, Transfer, make_plan
+from megarl.resharding.executor import allocated_bytes, hf_shapes_from, layer_buckets
+from megarl.resharding.plan import Plan, SourcePiece, Transfer, merge_plans, plan_for_rank
 
 ARCH = Architecture(
     family="llama", value_model=False, num_layers=2, hidden_size=16, num_attention_heads=8, num_kv_heads=4,
@@ -58,11 +65,24 @@ def _sources():
     return sources, hf_shapes_from(sources, shard_shapes)
 
 
+def _world_plan(sources, shapes, engine_tp: int, world: int) -> Plan:
+    """Every rank's own plan, merged, after checking that each transfer between two ranks is in the
+    plans of both (a send without its receive, or the reverse, would hang the sync)."""
+    def needs_of(rank):
+        return engine_needs(rank, rank % engine_tp, engine_tp, shapes, ARCH)
+
+    plans = [plan_for_rank(rank, sources, needs_of, shapes, itemsize=4) for rank in range(world)]
+    for rank, plan in enumerate(plans):
+        assert all(rank in (t.src, t.dst) for t in plan.transfers)
+        for t in plan.transfers:
+            assert t in plans[t.src].transfers and t in plans[t.dst].transfers, t
+    return merge_plans(plans)
+
+
 @pytest.fixture(scope="module")
 def plan():
     sources, shapes = _sources()
-    needs = [n for rank in range(TP * PP) for n in engine_needs(rank, rank % 2, 2, shapes, ARCH)]
-    return make_plan(sources, needs, shapes, itemsize=4)
+    return _world_plan(sources, shapes, engine_tp=2, world=TP * PP)
 
 
 def test_hf_shapes_are_recovered_from_the_shards(plan):
@@ -109,20 +129,116 @@ def test_every_need_is_covered_exactly_and_only_missing_bytes_move(plan, rank):
         assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))  # contiguous, no overlap
 
 
-def test_senders_are_balanced_across_replicas():
-    # At engine TP 1 every rank needs everything. Replicated tensors (norms) have four holders per
-    # stage; choosing the holder that has sent least keeps every rank's sent bytes within one norm
-    # (and one vocab row block) of the others.
+def test_receivers_spread_evenly_over_the_holders_of_a_replicated_tensor():
+    # At engine TP 1 every rank needs everything. A norm has four holders (the TP ranks of its
+    # stage) and four receivers (the other stage's ranks): each holder sends it exactly once.
     sources, shapes = _sources()
-    needs = [n for rank in range(TP * PP) for n in engine_needs(rank, 0, 1, shapes, ARCH)]
-    plan = make_plan(sources, needs, shapes, itemsize=4)
-    sent = [plan.bytes_sent(rank) for rank in range(TP * PP)]
-    assert max(sent) - min(sent) <= 512, sent
+    plan = _world_plan(sources, shapes, engine_tp=1, world=TP * PP)
+    norms = [name for name in shapes if name.endswith("norm.weight")]
+    for name in norms:
+        senders = sorted(t.src for t in plan.transfers if t.hf_name == name and t.src != t.dst)
+        holders = sorted(p.rank for p in sources if p.hf_name == name)
+        assert senders == holders, name
+
+
+def test_rank0_allocates_its_engine_shard_and_staging_for_column_slices_by_hand():
+    # Engine rank 0 (TP_r=2) needs columns [0, 8) of each o_proj and [0, 4) of each down_proj
+    # (16 rows). Each part from another rank lands in a column slice of that shard, which is not
+    # contiguous: layer 0, o_proj [4, 8) from rank 1 and down_proj [2, 4); layer 1, all four parts.
+    # What it sends (whole shards of its own) needs no staging.
+    sources, shapes = _sources()
+    plan = plan_for_rank(0, sources, lambda r: engine_needs(r, r % 2, 2, shapes, ARCH), shapes, itemsize=4)
+    own = {mapping.megatron_name: shape for mapping, shape in _stage_mappings(0)}
+    staging = (16 * 4 + 16 * 2 + 2 * 16 * 4 + 2 * 16 * 2) * 4
+    allocated = allocated_bytes(plan, 0, own, {name: torch.float32 for name in shapes})
+    assert sum(allocated.values()) == plan.bytes_needed(0) + staging
 
 
 def test_buckets_keep_layers_whole():
     _, shapes = _sources()
-    buckets = layer_buckets(shapes, 4, bucket_bytes=1)
+    buckets = layer_buckets({name: 4 for name in shapes}, bucket_bytes=1)
     assert buckets[0] == ["model.embed_tokens.weight"]
     assert all(len({n.split(".")[2] for n in b}) == 1 for b in buckets if b[0].startswith("model.layers."))
     assert buckets[-1] == ["lm_head.weight"] and sorted(sum(buckets, [])) == sorted(shapes)
+
+
+def _whole_world_plan(sources, needs, shapes) -> list[Transfer]:
+    """The planner this project had before per-rank planning, kept as the reference: it plans every
+    rank's needs at once and gives each slice to the holder that has sent the fewest bytes so far."""
+    by_name, sent, transfers = defaultdict(list), defaultdict(int), []
+    for piece in sources:
+        by_name[piece.hf_name].append(piece)
+    for need in needs:
+        pieces, position = by_name[need.hf_name], need.start
+        while position < need.stop:
+            covering = [p for p in pieces if p.start <= position < p.stop]
+            local = [p for p in covering if p.rank == need.rank]
+            if local:
+                piece = max(local, key=lambda p: p.stop)
+                end = min(piece.stop, need.stop)
+            else:
+                piece = min(covering, key=lambda p: (sent[p.rank], p.rank))
+                local_starts = [p.start for p in pieces if p.rank == need.rank and position < p.start]
+                end = min([piece.stop, need.stop, *local_starts])
+            transfers.append(Transfer(piece.rank, need.rank, need.hf_name, need.dim, position, end,
+                                      piece.megatron_name, piece.shard_offset + position - piece.start))
+            if piece.rank != need.rank:
+                sent[piece.rank] += (end - position) * 16
+            position = end
+    return transfers
+
+
+@pytest.mark.parametrize("engine_tp", [1, 2, 4])
+def test_per_rank_plans_agree_with_the_whole_world_plan(engine_tp):
+    # The same slices reach every rank, the same ones are local copies, and every slice comes from
+    # a holder of exactly those bytes (which holder of a replicated slice may differ).
+    sources, shapes = _sources()
+    needs = [n for rank in range(TP * PP) for n in engine_needs(rank, rank % engine_tp, engine_tp, shapes, ARCH)]
+    reference = _whole_world_plan(sources, needs, shapes)
+    ours = _world_plan(sources, shapes, engine_tp, TP * PP).transfers
+
+    def received(transfers):
+        return sorted((t.dst, t.hf_name, t.start, t.stop, t.src == t.dst) for t in transfers)
+
+    assert received(ours) == received(reference)
+    held = {(p.rank, p.hf_name, p.megatron_name, p.start - p.shard_offset): (p.start, p.stop) for p in sources}
+    for t in ours:
+        start, stop = held[(t.src, t.hf_name, t.megatron_name, t.start - t.shard_offset)]
+        assert start <= t.start < t.stop <= stop, t
+
+
+def _replica_sources(tp, pp, dp, dp_rank):
+    sources, shard_shapes = training_sources(LLAMA, tp, pp, dp, dp_rank)
+    return sources, hf_shapes_from(sources, shard_shapes)
+
+
+LLAMA = llama2("Llama-2-70B")
+
+
+def _plan_of(rank, tp, pp, dp, engine_tp, itemsize=2):
+    """What rank `rank` computes at set-up from its replica's shard descriptions."""
+    replica = (rank // tp) % dp
+    sources, shapes = _replica_sources(tp, pp, dp, replica)
+
+    def needs_of(r):
+        return engine_needs(r, r % engine_tp, engine_tp, shapes, LLAMA)
+
+    return plan_for_rank(rank, sources, needs_of, shapes, itemsize)
+
+
+def test_1024_ranks_plan_per_rank_in_under_a_second_and_every_send_meets_its_receive():
+    # TP8xPP8xDP16 -> TP_r=8, Llama-2 70B: 1,024 ranks, each planning from its replica's 64 shard
+    # descriptions. Rank 517's plan (timed), and the plans of every rank it exchanges with.
+    tp, pp, dp, engine_tp, rank = 8, 8, 16, 8, 517
+    start = time.perf_counter()
+    plan = _plan_of(rank, tp, pp, dp, engine_tp)
+    seconds = time.perf_counter() - start
+    assert seconds < 1.0, f"per-rank plan took {seconds:.2f} s"
+    assert plan.bytes_received(rank) == plan.lower_bound(rank) > 0
+    peers = {t.src for t in plan.transfers} | {t.dst for t in plan.transfers}
+    # Only its own DP replica (the same DP coordinate): here the same TP rank of every other stage
+    # (engine TP = training TP), and some holders of replicated norms.
+    assert {(p // tp) % dp for p in peers} == {(rank // tp) % dp} and len(peers) > pp
+    for peer in sorted(peers - {rank}):
+        theirs = {t for t in _plan_of(peer, tp, pp, dp, engine_tp).transfers if rank in (t.src, t.dst)}
+        assert theirs == {t for t in plan.transfers if peer in (t.src, t.dst)}, peer
