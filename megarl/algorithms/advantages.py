@@ -38,6 +38,11 @@ from megarl.registry import Registry
 WHITEN_EPS = 1e-8
 
 
+def whole_batch(sums: Tensor) -> Tensor:
+    """`sum_over_batch` when the inputs are the whole batch: its sums are already the batch's."""
+    return sums
+
+
 @dataclass
 class AdvantageInputs:
     token_rewards_BR: Tensor
@@ -56,7 +61,7 @@ class AdvantageInputs:
     """grpo: divide by the group std."""
     epsilon: float = 1e-6
     """grpo: added to the group std."""
-    sum_over_batch: Callable[[Tensor], Tensor] = lambda sums: sums
+    sum_over_batch: Callable[[Tensor], Tensor] = whole_batch
     """Adds a tensor of sums over this share's sequences across all shares of the batch (the trainer
     all-reduces over DP); the identity when the inputs are the whole batch."""
 
@@ -87,7 +92,7 @@ def register_estimator(name: str, *, needs_groups: bool = False, needs_greedy_ba
 
 
 def masked_whiten(values_BR: Tensor, mask_BR: Tensor,
-                  sum_over_batch: Callable[[Tensor], Tensor] = lambda sums: sums) -> Tensor:
+                  sum_over_batch: Callable[[Tensor], Tensor] = whole_batch) -> Tensor:
     """(x - mean) / sqrt(var + 1e-8) over the valid tokens of the batch, var unbiased (Bessel's
     correction); `values_BR` may be a share of the batch whose sums `sum_over_batch` completes."""
     total, num_valid = sum_over_batch(torch.stack([(values_BR * mask_BR).sum(), mask_BR.sum()]))
