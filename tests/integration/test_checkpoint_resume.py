@@ -169,14 +169,20 @@ def _assert_resumed(launch: Launch, loaded: int, finished: bool) -> None:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_models, arithmetic, tmp_path_factory) -> dict[str, tuple[Path, dict]]:
-    """One uninterrupted run per job: its output directory and its metrics."""
+    """One uninterrupted run per job: its output directory and its metrics. Each logs every training
+    metric at every step, validates before training and after the last step, and leaves its curves
+    and config in its run directory."""
     results = {}
     for name, job in JOBS.items():
         out = tmp_path_factory.mktemp(f"uninterrupted_{name}")
         Launch(out, _args(job, tiny_models["qwen2-tied"], arithmetic, out)).finish()
         metrics = _metrics(out, job)
-        assert sorted(metrics["actor/pg_loss"]) == list(range(1, TOTAL_STEPS + 1))
+        for metric in ("actor/pg_loss", "reward/mean", *(("critic/vf_loss",) if "critic" in job.engines else ())):
+            assert sorted(metrics[metric]) == list(range(1, TOTAL_STEPS + 1)), metric
+        assert sorted(metrics["val/score/mean"]) == [0, TOTAL_STEPS]
         assert len(set(metrics["actor/grad_norm"].values())) > 1  # the weights really move
+        run_dir = out / job.experiment
+        assert (run_dir / "config.yaml").is_file() and (run_dir / "curves.png").stat().st_size > 10_000
         results[name] = out, metrics
     return results
 

@@ -1,5 +1,6 @@
-"""The real launchers for a few steps: PPO with a critic at TP2 and at PP2, the same PPO at TP2xPP2xDP2
-against TP1, GRPO with a KL loss at DP1 and DP2.
+"""The real launchers for a few steps: PPO with a critic at TP2xPP2xDP2 against TP1, GRPO with a KL
+loss at DP1 and DP2. (PPO with a critic at TP2 and its validation, curves and config in mlflow:
+test_checkpoint_resume.py's uninterrupted runs.)
 
 Each run logs to a local mlflow store, which the test reads back with mlflow's own client.
 """
@@ -27,7 +28,7 @@ USER_REWARD = f"{ROOT / 'tests/integration/user_reward.py'}:compute_score"
 def _overrides(model, data, out, *extra):
     train, test = data
     return [f"model.path={model}", f"data.train_files=[{train}]", f"data.val_files=[{test}]",
-            f"trainer.output_dir={out}", "trainer.total_steps=3", "trainer.test_freq=0", "data.train_batch_size=4",
+            f"trainer.output_dir={out}", "trainer.total_steps=2", "trainer.test_freq=0", "data.train_batch_size=4",
             "actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2", "data.max_val_samples=8",
             "trainer.check_batches=true", *extra]
 
@@ -46,18 +47,6 @@ def _values(run_dir, experiment, metric):
     return [value for _, value in _history(run_dir, experiment, metric)]
 
 
-@pytest.mark.parametrize("layout", [["actor.tp=2"], ["actor.pp=2"]], ids=["tp2", "pp2"])
-def test_ppo_with_critic_runs_three_steps_and_logs_to_mlflow(tiny_models, arithmetic, tmp_path, layout):
-    result = torchrun(2, ROOT / "launchers/train_ppo.py", "--config", "configs/quickstart_ppo.yaml",
-                      *_overrides(tiny_models["qwen2-tied"], arithmetic, tmp_path, *layout), timeout=600)
-    assert_succeeded(result)
-    run_dir = tmp_path / "quickstart_ppo"
-    assert _logged(run_dir, "quickstart_ppo", "reward/mean") == [1, 2, 3]
-    assert _logged(run_dir, "quickstart_ppo", "critic/vf_loss") == [1, 2, 3]
-    assert _logged(run_dir, "quickstart_ppo", "val/score/mean") == [0, 3]
-    assert (run_dir / "config.yaml").is_file() and (run_dir / "curves.png").stat().st_size > 10_000
-
-
 def test_ppo_at_tp2_pp2_dp2_matches_tp1(tiny_models, arithmetic, tmp_path):
     # 8 processes against 1, same seed. Rewards vary (random tiny models never solve arithmetic: the user
     # function scores the text's parity) and the critic starts from a value model, so that every loss
@@ -74,7 +63,7 @@ def test_ppo_at_tp2_pp2_dp2_matches_tp1(tiny_models, arithmetic, tmp_path):
                                       f"critic.path={tiny_models['qwen2-value']}", f"reward.function={USER_REWARD}"),
                           timeout=900)
         assert_succeeded(result)
-        assert _logged(out / "quickstart_ppo", "quickstart_ppo", "critic/vf_loss") == [1, 2, 3]
+        assert _logged(out / "quickstart_ppo", "quickstart_ppo", "critic/vf_loss") == [1, 2]
         histories[name] = {metric: _values(out / "quickstart_ppo", "quickstart_ppo", metric)
                            for metric in ("reward/mean", "actor/pg_loss", "critic/vf_loss", "actor/grad_norm")}
     reference, three_d = histories["tp1"], histories["tp2pp2dp2"]
@@ -112,7 +101,7 @@ def test_grpo_variants_give_the_same_run_at_dp1_and_dp2(tiny_models, arithmetic,
         num_calls = sum(len(f.read_text().splitlines()) for f in calls.iterdir())
         assert num_calls == 4 * 8 * sum(rounds) + 2 * 8, (dp, rounds, num_calls)
     for metric in ("actor/kl_loss", "mismatch/kl", "rollout/filter_rounds", "actor/grad_norm", "reward/length"):
-        assert _logged(runs[2], "quickstart_grpo", metric) == [1, 2, 3], metric
+        assert _logged(runs[2], "quickstart_grpo", metric) == [1, 2], metric
     # The same seed gives the same rewards and per-step losses at DP1 and DP2.
     for metric in ("reward/function_mean", "reward/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
         dp1, dp2 = (_values(runs[dp], "quickstart_grpo", metric) for dp in (1, 2))
@@ -126,8 +115,8 @@ def test_grpo_variants_give_the_same_run_at_dp1_and_dp2(tiny_models, arithmetic,
 
 def test_remax_generates_its_greedy_baseline(tiny_models, arithmetic, tmp_path):
     result = torchrun(1, ROOT / "launchers/train_ppo.py", "--config", "configs/quickstart.yaml",
-                      *_overrides(tiny_models["llama-tied"], arithmetic, tmp_path, "algorithm.adv_estimator=remax",
-                                  "trainer.total_steps=2"), timeout=600)
+                      *_overrides(tiny_models["llama-tied"], arithmetic, tmp_path, "algorithm.adv_estimator=remax"),
+                      timeout=600)
     assert_succeeded(result)
     assert _logged(tmp_path / "quickstart_grpo", "quickstart_grpo", "advantages/mean") == [1, 2]
 
