@@ -16,7 +16,7 @@ the DP ranks' shares), so gradients are summed, not averaged, over micro-batches
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Callable
 
@@ -36,7 +36,7 @@ from megarl.engine.batch import SequenceBatch
 from megarl.engine.batching import budgeted_micro_batches, fixed_micro_batches, mini_batch_groups, token_imbalance
 from megarl.engine.memory import MemoryPhases
 from megarl.engine.packing import pack, response_output_rows
-from megarl.models.builder import ScheduleSettings, resolve_layer_spec
+from megarl.models.builder import MoESettings, ScheduleSettings, resolve_layer_spec
 from megarl.models.hf_interop import load_hf_model
 
 
@@ -76,7 +76,7 @@ class MegatronEngine:
         self.module, self.arch = load_hf_model(
             model_path or model_config.path, layout, model_config.dtype, model_config.layer_spec,
             model_config.make_vocab_size_divisible_by, recompute_activations=config.recompute_activations,
-            value_head=value_head, schedule=schedule,
+            value_head=value_head, schedule=schedule, moe=MoESettings(**asdict(model_config.moe)),
         )
         self.model = self.module
         self.packed = resolve_layer_spec(model_config.layer_spec) == "transformer_engine"
