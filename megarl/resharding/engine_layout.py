@@ -4,6 +4,11 @@ vLLM shards the same way Megatron does, but on its own TP size and with its own 
 q rows by attention head, k/v rows by KV head (replicated when TP_r exceeds the KV heads),
 gate/up rows and o/down columns evenly, embeddings and LM head by vocabulary rows in slices of a
 vocabulary padded to a multiple of 64; norms whole. At TP_r = 1 every rank needs every tensor.
+
+Mixture-of-experts layers (vLLM's FusedMoE, expert parallelism off): every rank holds every expert,
+each split over TP_r like a dense MLP: its gate and up rows (Mixtral's w1 and w3; vLLM stacks them
+as w13) and its down columns (w2) evenly along the expert's intermediate dim. The Qwen2-MoE shared
+expert is a dense MLP; the router and the shared expert's gate are replicated (whole).
 """
 
 from __future__ import annotations
@@ -20,9 +25,9 @@ def _split(name: str) -> tuple[str, int]:
         return "q_heads", 0
     if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
         return "kv_heads", 0
-    if name.endswith(("gate_proj.weight", "up_proj.weight")):
+    if name.endswith(("gate_proj.weight", "up_proj.weight", ".w1.weight", ".w3.weight")):
         return "even", 0
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
+    if name.endswith(("o_proj.weight", "down_proj.weight", ".w2.weight")):
         return "even", 1
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return "vocab", 0

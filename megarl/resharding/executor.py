@@ -2,7 +2,10 @@
 
 Set-up (once): every rank describes the HF slices its shards hold; the descriptions are gathered
 within its DP replica only (over its TP group, then its PP group: what it can send to or receive
-from), and every rank plans its own transfers (`plan_for_rank`). Each sync is one load into the
+from), and every rank plans its own transfers (`plan_for_rank`). A mixture-of-experts model's
+routed experts are spread over the EP ranks, which megatron carves out of the DP ranks: one copy of
+them lies on an *expert replica* (the ETP x EP x PP ranks of one expert-data-parallel rank), so
+expert tensors are planned over that replica, everything else over the DP replica. Each sync is one load into the
 engine, fed by a generator that walks the model in buckets of whole layers (the engine processes a
 layer once all its tensors arrived, so a layer never spans two buckets). Per bucket, this rank's
 transfers of the bucket run as one `batch_isend_irecv` into tensors of exactly its engine shard
@@ -26,7 +29,7 @@ import torch.distributed as dist
 
 from megarl.distributed.layout import ParallelLayout
 from megarl.models.architecture import Architecture
-from megarl.models.state_dict_adapter import param_mappings, shard_pieces
+from megarl.models.state_dict_adapter import param_mappings, shard_pieces, tp_split
 from megarl.resharding.engine_layout import engine_needs
 from megarl.resharding.plan import Need, Plan, SourcePiece, Transfer, plan_for_rank
 from megarl.resharding.tensor_shard import TensorShard
@@ -56,19 +59,21 @@ class _SyncProgress:
     peak: int = 0
 
 
-def local_sources(module: torch.nn.Module, arch: Architecture, layout: ParallelLayout) -> list[SourcePiece]:
-    """The HF slices this rank's shards hold, with where each sits in its shard."""
+def local_sources(module: torch.nn.Module, arch: Architecture, layout: ParallelLayout
+                  ) -> tuple[list[SourcePiece], list[SourcePiece]]:
+    """The HF slices this rank's shards hold, with where each sits in its shard: (those of routed
+    experts, split over ETP and EP; all others)."""
     params = dict(module.named_parameters())
-    sources = []
+    experts, others = [], []
     for mapping in param_mappings(module, arch):
         shape = params[mapping.megatron_name].shape
         offset = 0
-        for piece in shard_pieces(mapping, arch, shape, layout.tp_rank, layout.tp):
+        for piece in shard_pieces(mapping, arch, shape, *tp_split(mapping, layout)):
             if piece.hf_name is not None:
-                sources.append(SourcePiece(layout.rank, piece.hf_name, piece.dim, piece.start, piece.stop,
-                                           mapping.megatron_name, offset))
+                (experts if mapping.expert else others).append(SourcePiece(
+                    layout.rank, piece.hf_name, piece.dim, piece.start, piece.stop, mapping.megatron_name, offset))
             offset += piece.size
-    return sources
+    return experts, others
 
 
 def hf_shapes_from(sources: list[SourcePiece], shard_shapes: dict[tuple[int, str], tuple[int, ...]]) -> dict:
@@ -131,13 +136,15 @@ def allocated_bytes(plan: Plan, rank: int, shard_shapes: dict[str, tuple[int, ..
     return allocated
 
 
-def gather_replica(described, layout: ParallelLayout) -> list:
-    """`described` of every rank of this rank's DP replica (its TP group's, then every stage's)."""
-    stage = [None] * layout.tp
-    dist.all_gather_object(stage, described, group=layout.tp_group)
-    stages = [None] * layout.pp
-    dist.all_gather_object(stages, stage, group=layout.pp_group)
-    return [rank_described for stage in stages for rank_described in stage]
+def gather_replica(described, groups: list[dist.ProcessGroup]) -> list:
+    """`described` of every rank of the replica spanned by `groups`, innermost first: a DP replica is
+    (TP group, PP group), an expert replica (ETP group, EP group, PP group)."""
+    gathered = [described]
+    for group in groups:
+        parts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, gathered, group=group)
+        gathered = [rank_described for part in parts for rank_described in part]
+    return gathered
 
 
 class WeightSync:
@@ -147,20 +154,26 @@ class WeightSync:
         self.rank = layout.rank
         itemsize = next(module.parameters()).element_size()
         own_shards = {name: (tuple(p.shape), p.dtype) for name, p in module.named_parameters()}
-        replica = gather_replica((self.rank, local_sources(module, arch, layout), own_shards), layout)
-        sources = [piece for _, pieces, _ in replica for piece in pieces]
-        self.hf_shapes = hf_shapes_from(sources, {(rank, name): shape for rank, _, shards in replica
-                                                  for name, (shape, _) in shards.items()})
+        experts, others = local_sources(module, arch, layout)
+        replica = gather_replica((self.rank, others, own_shards), [layout.tp_group, layout.pp_group])
+        expert_replica = gather_replica((self.rank, experts, own_shards), [layout.etp_group, layout.ep_group,
+                                                                           layout.pp_group]) if arch.is_moe else []
+        dense_sources = [piece for _, pieces, _ in replica for piece in pieces]
+        expert_sources = [piece for _, pieces, _ in expert_replica for piece in pieces]
+        sources = dense_sources + expert_sources
+        shards = {(rank, name): shard for rank, _, rank_shards in replica + expert_replica
+                  for name, shard in rank_shards.items()}
+        self.hf_shapes = hf_shapes_from(sources, {key: shape for key, (shape, _) in shards.items()})
         # Each HF tensor travels in its shard's dtype: a bf16 model keeps some parameters (layer norms of
         # megatron's local spec) in fp32, so the first parameter's dtype is not every tensor's.
-        dtypes = {(rank, name): dtype for rank, _, shards in replica for name, (_, dtype) in shards.items()}
-        self.hf_dtypes = {piece.hf_name: dtypes[(piece.rank, piece.megatron_name)] for piece in sources}
+        self.hf_dtypes = {piece.hf_name: shards[(piece.rank, piece.megatron_name)][1] for piece in sources}
+
         # vLLM forms its TP groups from consecutive ranks of the world: what a rank needs depends on
         # its engine TP rank only.
         def needs_of(rank: int) -> list[Need]:
             return engine_needs(rank, rank % engine_tp, engine_tp, self.hf_shapes, arch)
 
-        self.plan: Plan = plan_for_rank(self.rank, sources, needs_of, self.hf_shapes, itemsize)
+        self.plan: Plan = plan_for_rank(self.rank, dense_sources, needs_of, self.hf_shapes, itemsize, expert_sources)
         self.needs = {need.hf_name: need for need in self.plan.needs}
         # Buckets by the most any rank allocates for each tensor, so that they are the same on every
         # rank and none allocates more than one bucket.

@@ -9,7 +9,8 @@ and planning is interval covering:
 - a rank never receives bytes it already holds: where it holds part of a need, that part is a local
   copy, so bytes received per rank equal the lower bound (bytes needed - bytes held);
 - a rank receives only from its own DP replica (the TP x PP ranks that together hold one copy of the
-  model), so each replica is planned alone and a rank plans over its replica, whatever the world size;
+  model), so each replica is planned alone and a rank plans over its replica, whatever the world size
+  (routed experts: over its expert replica, the TP x EP x PP ranks that hold one copy of them);
 - among several holders of a slice in the replica (replicated norms on every TP rank, a tied
   embedding's two copies) the receiver picks one by its own rank, so that receivers spread over the
   holders and sender and receiver make the same choice without talking.
@@ -95,9 +96,26 @@ class Plan:
 
 
 def plan_for_rank(rank: int, replica: list[SourcePiece], needs_of: Callable[[int], list[Need]],
-                  hf_shapes: dict[str, tuple[int, ...]], itemsize: int) -> Plan:
+                  hf_shapes: dict[str, tuple[int, ...]], itemsize: int,
+                  expert_replica: list[SourcePiece] = ()) -> Plan:
     """The transfers `rank` sends or receives. `replica`: the pieces every rank of `rank`'s DP replica
-    holds; `needs_of(r)`: what engine rank r needs (a pure function of r's engine TP rank)."""
+    holds; `needs_of(r)`: what engine rank r needs (a pure function of r's engine TP rank);
+    `expert_replica`: the routed experts' pieces every rank of `rank`'s expert replica holds, over
+    which the experts are planned (the ranks of one expert-data-parallel rank: their EP ranks span
+    several DP replicas)."""
+    experts = {piece.hf_name for piece in expert_replica}
+    plan = _plan_over(rank, replica, lambda r: [n for n in needs_of(r) if n.hf_name not in experts], hf_shapes,
+                      itemsize)
+    if not experts:
+        return plan
+    return merge_plans([plan, _plan_over(rank, list(expert_replica),
+                                         lambda r: [n for n in needs_of(r) if n.hf_name in experts],
+                                         hf_shapes, itemsize)])
+
+
+def _plan_over(rank: int, replica: list[SourcePiece], needs_of: Callable[[int], list[Need]],
+               hf_shapes: dict[str, tuple[int, ...]], itemsize: int) -> Plan:
+    """`plan_for_rank` for the tensors of one replica: `rank` receives from and sends to its ranks."""
     by_name: dict[str, list[SourcePiece]] = defaultdict(list)
     for piece in replica:
         by_name[piece.hf_name].append(piece)
@@ -113,7 +131,8 @@ def plan_for_rank(rank: int, replica: list[SourcePiece], needs_of: Callable[[int
 
 
 def merge_plans(plans: list[Plan]) -> Plan:
-    """Several ranks' plans as one, each transfer once (for analysis and tests: no rank needs this)."""
+    """Several plans as one, each transfer once: a rank's dense and expert plans, or several ranks'
+    plans (for analysis and tests)."""
     transfers = {t for plan in plans for t in plan.transfers}
     return Plan(sorted(transfers, key=lambda t: (t.dst, t.hf_name, t.start, t.src)), plans[0].hf_shapes,
                 plans[0].itemsize, [need for plan in plans for need in plan.needs])

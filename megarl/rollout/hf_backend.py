@@ -2,11 +2,17 @@
 
 Sequential and unbatched on purpose (one prompt at a time, no padding): slow, but with nothing
 that could make it differ from a textbook forward pass.
+
+Weights arrive under their checkpoint names. transformers 5 holds a mixture-of-experts layer's
+experts stacked (`experts.gate_up_proj` (E, 2 x ffn, h), `experts.down_proj` (E, h, ffn)) and
+Mixtral's `block_sparse_moe` as `mlp`, so a checkpoint's per-expert tensor is loaded into its part
+of the stacked one (`checkpoint_tensor`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 from typing import Iterable
 
 import torch
@@ -62,7 +68,7 @@ class HFRollout:
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = self.model.state_dict()
         for name, tensor in weights:
-            params[name].copy_(tensor)
+            checkpoint_tensor(params, name).copy_(tensor)
 
     def end_weight_update(self) -> None:
         self.guard.end()
@@ -75,6 +81,24 @@ class HFRollout:
 
     def shutdown(self) -> None:
         pass
+
+
+_EXPERT = re.compile(r"(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_GATE, _UP = ("gate_proj", "w1"), ("up_proj", "w3")
+
+
+def checkpoint_tensor(params: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """The tensor (or the view of a stacked one) of `params` (a transformers state dict) that holds
+    checkpoint tensor `name`."""
+    expert = _EXPERT.fullmatch(name)
+    if expert is None:
+        return params[name.replace(".block_sparse_moe.", ".mlp.")]
+    layer, index, projection = expert.group(1), int(expert.group(2)), expert.group(3)
+    if projection in _GATE + _UP:
+        gate_up = params[f"{layer}.mlp.experts.gate_up_proj"][index]
+        half = gate_up.shape[0] // 2
+        return gate_up[:half] if projection in _GATE else gate_up[half:]
+    return params[f"{layer}.mlp.experts.down_proj"][index]
 
 
 def _load_model(model_dir: str, dtype: torch.dtype, dummy_weights: bool) -> torch.nn.Module:

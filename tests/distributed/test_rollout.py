@@ -1,4 +1,5 @@
-"""Colocated vLLM after resharding, for training layouts TP1, TP2, PP2, TP2xPP2 and DP2 (engine TP2).
+"""Colocated vLLM after resharding, for training layouts TP1, TP2, PP2, TP2xPP2 and DP2 (engine TP2),
+and mixture-of-experts models at EP2, TP2xEP2 (engine TP2) and PP2xEP2.
 
 Each launch trains a step, syncs the training shards into a vLLM engine and an `hf` engine on every
 rank, and checks: the synced weights are bit-identical to the HF export of the training model,
@@ -20,57 +21,66 @@ from safetensors.torch import load_file
 from tests.conftest import ROOT, assert_succeeded, torchrun
 
 SCRIPT = ROOT / "tests/distributed/scripts/rollout_checks.py"
-CASES = {  # name: (model, processes, training TP, PP, engine TP)
-    "tp1": ("qwen3-tied", 1, 1, 1, 1),
-    "tp2": ("qwen2-untied", 2, 2, 1, 1),
-    "pp2": ("llama-tied", 2, 1, 2, 1),
-    "tp2pp2": ("qwen3-untied", 4, 2, 2, 1),
-    "dp2-engine-tp2": ("qwen2-tied", 2, 1, 1, 2),
+CASES = {  # name: (model, processes, training TP, PP, EP, engine TP)
+    "tp1": ("qwen3-tied", 1, 1, 1, 1, 1),
+    "tp2": ("qwen2-untied", 2, 2, 1, 1, 1),
+    "pp2": ("llama-tied", 2, 1, 2, 1, 1),
+    "tp2pp2": ("qwen3-untied", 4, 2, 2, 1, 1),
+    "dp2-engine-tp2": ("qwen2-tied", 2, 1, 1, 1, 2),
+    "ep2": ("qwen3-moe", 2, 1, 1, 2, 1),
+    "tp2ep2-engine-tp2": ("qwen2-moe", 4, 2, 1, 2, 2),
+    "pp2ep2": ("mixtral-untied", 4, 1, 2, 2, 1),
 }
+EXPERT = re.compile(r"model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
 
 
-def rank0_lower_bound(model_dir, tp, pp, engine_tp) -> int:
-    """Bytes training rank 0 (TP rank 0, first stage) lacks, counted from the HF tensors by hand."""
+def rank0_lower_bound(model_dir, tp, pp, ep, engine_tp) -> int:
+    """Bytes training rank 0 (TP rank 0, EP rank 0, first stage) lacks of what engine rank 0 needs,
+    counted from the HF tensors by hand: along each tensor's split dim, engine rank 0 needs the
+    interval [0, n / TP_r) and training rank 0 holds [0, n / TP) of its stage's tensors (routed
+    experts: of its EP rank's experts only); vocabularies are padded (vLLM to 64 rows, megatron to
+    128 x TP) before they are split."""
     tensors = {}
     for file in model_dir.glob("*.safetensors"):
         tensors.update(load_file(file))
     num_layers = 1 + max(int(m.group(1)) for n in tensors if (m := re.match(r"model\.layers\.(\d+)\.", n)))
-    vocab = tensors["model.embed_tokens.weight"].shape[0]
-    padded_per_rank = -(-vocab // (128 * tp)) * 128  # megatron pads to 128 * TP rows
+    num_experts = 1 + max((int(m.group(1)) for n in tensors if (m := EXPERT.match(n))), default=0)
     missing = 0
     for name, tensor in tensors.items():
-        row_bytes = tensor[0].numel() * 4 if tensor.dim() == 2 else 4
-        full = tensor.numel() * 4
-        if engine_tp > 1:
-            # Engine TP2 at TP1 training: rank 0 holds everything it needs.
-            continue
         layer = re.match(r"model\.layers\.(\d+)\.", name)
-        on_stage0 = (int(layer.group(1)) < num_layers // pp) if layer else name == "model.embed_tokens.weight" or pp == 1
-        if not on_stage0:
-            missing += full
-        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
-            missing += full - min(vocab, padded_per_rank) * row_bytes
-        elif name.endswith("norm.weight"):
-            continue
+        expert = EXPERT.match(name)
+        on_rank0 = ((int(layer.group(1)) < num_layers // pp) if layer else name == "model.embed_tokens.weight" or pp == 1)
+        on_rank0 = on_rank0 and (not expert or int(expert.group(1)) < num_experts // ep)
+        dim = 1 if name.endswith(("o_proj.weight", "down_proj.weight", ".w2.weight")) else 0
+        size = tensor.shape[dim]
+        slice_bytes = tensor.numel() * 4 // size
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            needed = min(size, -(-size // 64) * 64 // engine_tp)
+            held = min(size, -(-size // (128 * tp)) * 128)
+        elif tensor.dim() == 1 or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+            needed = held = size  # norms, routers and the shared expert's gate: whole on every rank
         else:
-            missing += full - full // tp
+            needed, held = size // engine_tp, size // tp
+        missing += (needed - (min(needed, held) if on_rank0 else 0)) * slice_bytes
     return missing
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_rollout_after_resharding(tiny_models, tmp_path, case):
-    model, nproc, tp, pp, engine_tp = CASES[case]
-    result = torchrun(nproc, SCRIPT, "--hf", tiny_models[model], "--out", tmp_path, "--tp", tp, "--pp", pp,
+def test_rollout_after_resharding(tiny_models, tiny_moe_models, tmp_path, case):
+    model, nproc, tp, pp, ep, engine_tp = CASES[case]
+    model_dir = {**tiny_models, **tiny_moe_models}[model]
+    result = torchrun(nproc, SCRIPT, "--hf", model_dir, "--out", tmp_path, "--tp", tp, "--pp", pp, "--ep", ep,
                       "--engine-tp", engine_tp)
     assert_succeeded(result)
     report = json.loads(next(l for l in result.stdout.splitlines() if l.startswith("REPORT ")).removeprefix("REPORT "))
     assert report["hf_engine_bit_identical"] and report["vllm_plain_bit_identical"], report
     assert report["vllm_plain_tensors_checked"] >= 9
+    assert report["vllm_experts_bit_identical"] and report["vllm_experts_checked"] == (2 * 4 if ep > 1 else 0), report  # w13, w2 x 4 layers
     assert report["greedy_tokens_equal"] and report["greedy_logprob_diff"] <= 1e-4, report
     assert report["rollout_vs_trainer_logprob_diff"] <= 1e-4, report
     assert report["buckets"] > 1 and report["reloads_per_sync"] == 1, report
     assert report["layers_processed_once"] and report["failed_load_warnings"] == [], report
-    assert report["bytes_received"] == report["lower_bound"] == rank0_lower_bound(tiny_models[model], tp, pp, engine_tp)
+    assert report["bytes_received"] == report["lower_bound"] == rank0_lower_bound(model_dir, tp, pp, ep, engine_tp)
     assert 0 < report["peak_reported"] == report["peak_allocated"], report
     assert all(units == 1 for units in report["units_of_buckets_over_size"]), report
     assert report["long_prompt_rejected"] and report["after_failed_generation_equal"], report

@@ -29,7 +29,7 @@ from megarl.engine.megatron_engine import MegatronEngine
 from megarl.models.hf_interop import export_hf
 from megarl.resharding.executor import WeightSync
 from megarl.rollout.base import Sampling
-from megarl.rollout.hf_backend import HFRollout
+from megarl.rollout.hf_backend import HFRollout, checkpoint_tensor
 from megarl.rollout.vllm_backend import VLLMRollout
 
 parser = argparse.ArgumentParser()
@@ -37,10 +37,11 @@ parser.add_argument("--hf", required=True)
 parser.add_argument("--out", required=True)
 parser.add_argument("--tp", type=int, default=1)
 parser.add_argument("--pp", type=int, default=1)
+parser.add_argument("--ep", type=int, default=1)
 parser.add_argument("--engine-tp", type=int, default=1)
 args = parser.parse_args()
 
-layout = init_layout(tp=args.tp, pp=args.pp)
+layout = init_layout(tp=args.tp, pp=args.pp, ep=args.ep)
 rank = dist.get_rank()
 report = {}
 actor = MegatronEngine(layout, ModelConfig(path=args.hf), EngineConfig(micro_batch_size_per_rank=4,
@@ -162,7 +163,7 @@ for file in sorted(os.listdir(args.out)):
     if file.endswith(".safetensors"):
         exported.update(load_file(os.path.join(args.out, file)))
 hf_state = reference.model.state_dict()
-report["hf_engine_bit_identical"] = all(torch.equal(hf_state[n], t) for n, t in exported.items())
+report["hf_engine_bit_identical"] = all(torch.equal(checkpoint_tensor(hf_state, n), t) for n, t in exported.items())
 
 
 def unpacked_params(worker):
@@ -180,6 +181,25 @@ def leading_rows_equal(engine_tensor, exported_tensor):
 
 
 report["vllm_plain_bit_identical"] = all(leading_rows_equal(vllm_params[n], exported[n]) for n in plain)
+
+
+def experts_equal(name: str) -> bool:
+    """vLLM's stacked experts of engine rank 0 (`...experts.w13_weight` (E, 2 x ffn / TP_r, h): gate
+    then up rows; `w2_weight` (E, h, ffn / TP_r): down columns) against the exported HF experts."""
+    stacked, prefix = vllm_params[name], name.rsplit(".", 1)[0] + "."
+    for expert in range(stacked.shape[0]):
+        gate, up, down = (exported.get(f"{prefix}{expert}.{a}.weight", exported.get(f"{prefix}{expert}.{b}.weight"))
+                          for a, b in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")))
+        width = stacked.shape[-1] if name.endswith("w2_weight") else stacked.shape[1] // 2
+        expected = down[:, :width] if name.endswith("w2_weight") else torch.cat([gate[:width], up[:width]])
+        if not torch.equal(stacked[expert], expected):
+            return False
+    return True
+
+
+stacked_experts = [n for n in vllm_params if n.endswith(("experts.w13_weight", "experts.w2_weight"))]
+report["vllm_experts_checked"] = len(stacked_experts)
+report["vllm_experts_bit_identical"] = all(experts_equal(n) for n in stacked_experts)
 
 greedy = Sampling(temperature=0.0, max_tokens=12)
 vllm_out, hf_out = vllm.generate(PROMPTS, greedy), reference.generate(PROMPTS, greedy)

@@ -242,3 +242,63 @@ def test_1024_ranks_plan_per_rank_in_under_a_second_and_every_send_meets_its_rec
     for peer in sorted(peers - {rank}):
         theirs = {t for t in _plan_of(peer, tp, pp, dp, engine_tp).transfers if rank in (t.src, t.dst)}
         assert theirs == {t for t in plan.transfers if peer in (t.src, t.dst)}, peer
+
+
+# Mixture of experts: one layer of 2 experts (ffn 8, hidden 16) at EP2, TP = ETP; world = TP x EP
+# (megatron orders the dense ranks tp-dp and the expert ranks etp-ep: rank = tp_rank + TP * ep_rank).
+EXPERT_FFN = 8
+
+
+def _moe_sources(tp: int, rank: int) -> tuple[list[SourcePiece], list[SourcePiece], dict]:
+    """(dense pieces of `rank`'s DP replica, expert pieces of its expert replica, HF shapes): each DP
+    replica holds the attention and the router; EP rank e holds expert e, split over ETP = TP."""
+    dense, experts, shard_shapes = [], [], {}
+    layer = "model.layers.0."
+
+    def add(into, holder, mapping, shape, tp_rank):
+        shard_shapes[(holder, mapping.megatron_name)] = shape
+        offset = 0
+        for piece in shard_pieces(mapping, ARCH, shape, tp_rank, tp):
+            into.append(SourcePiece(holder, piece.hf_name, piece.dim, piece.start, piece.stop,
+                                    mapping.megatron_name, offset))
+            offset += piece.size
+
+    for tp_rank in range(tp):
+        holder = rank - rank % tp + tp_rank  # this DP replica
+        add(dense, holder, ParamMapping("router", "replicated", (layer + "mlp.gate.weight",)), (2, 16), tp_rank)
+        add(dense, holder, ParamMapping("proj", "row", (layer + "self_attn.o_proj.weight",)), (16, 16 // tp), tp_rank)
+        for expert in range(2):
+            holder = tp_rank + tp * expert  # every EP rank: one expert replica
+            prefix = f"{layer}mlp.experts.{expert}."
+            add(experts, holder, ParamMapping(f"fc1.{expert}", "gate_up", (prefix + "gate_proj.weight",
+                                                                           prefix + "up_proj.weight")),
+                (2 * EXPERT_FFN // tp, 16), tp_rank)
+            add(experts, holder, ParamMapping(f"fc2.{expert}", "row", (prefix + "down_proj.weight",)),
+                (16, EXPERT_FFN // tp), tp_rank)
+    return dense, experts, hf_shapes_from(dense + experts, shard_shapes)
+
+
+@pytest.mark.parametrize("tp, engine_tp", [(1, 1), (2, 2), (2, 1)])
+def test_experts_come_from_the_expert_replica_and_only_missing_bytes_move(tp, engine_tp):
+    world = 2 * tp
+    plans = []
+    for rank in range(world):
+        dense, experts, shapes = _moe_sources(tp, rank)
+        plans.append(plan_for_rank(rank, dense, lambda r: engine_needs(r, r % engine_tp, engine_tp, shapes, ARCH),
+                                   shapes, 4, experts))
+    for rank, plan in enumerate(plans):
+        assert plan.bytes_received(rank) == plan.lower_bound(rank)
+        for t in plan.transfers:
+            assert t in plans[t.src].transfers and t in plans[t.dst].transfers, t
+            if ".experts." not in t.hf_name:  # dense tensors never leave the DP replica
+                assert t.src // tp == t.dst // tp, t
+    # By hand: engine rank 0 needs rows [0, 8 / engine_tp) of each expert's gate and up, columns
+    # [0, 8 / engine_tp) of its down (16 x 4 bytes per row or column). It holds expert 0's slice
+    # [0, 8 / tp) and receives the rest; at TP2 -> TP_r1 the dense o_proj columns [8, 16) come from rank 1.
+    wanted, held = EXPERT_FFN // engine_tp, EXPERT_FFN // tp
+    expert_bytes = 3 * 16 * 4 * (2 * wanted - min(held, wanted))
+    dense_bytes = 16 * 4 * (16 - 16 // tp) if engine_tp == 1 else 0
+    assert plans[0].lower_bound(0) == expert_bytes + dense_bytes
+    # Expert 1 comes from the ETP ranks of EP rank 1 that hold part of the needed interval.
+    senders = {t.src for t in plans[0].transfers if t.dst == 0 and ".experts.1." in t.hf_name}
+    assert senders == {tp + etp_rank for etp_rank in range(tp) if etp_rank * held < wanted}
