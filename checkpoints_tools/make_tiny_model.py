@@ -1,6 +1,7 @@
 """Make a tiny random HuggingFace model and a character-level tokenizer, entirely offline.
 
     python checkpoints_tools/make_tiny_model.py --family qwen2 --out outputs/tiny_qwen2
+    python checkpoints_tools/make_tiny_model.py --family qwen3_moe --out outputs/tiny_qwen3_moe
 
 The tokenizer (built with `tokenizers`) has one token per printable ASCII character plus chat
 special tokens and a chat template; its 101 tokens are deliberately not a multiple of any TP size,
@@ -8,6 +9,11 @@ so vocabulary padding is always exercised. With --bos it also has a BOS token (1
 post-processor prepends to every encoded text, as Llama's and Mistral's tokenizers do, and that its
 chat template renders (tokenizing the rendered template must then add no special tokens). Every weight, including norms and biases, is random
 (HF initialises norms to one and biases to zero, which would hide mapping mistakes).
+
+The mixture-of-experts families (qwen3_moe, qwen2_moe, mixtral) have --num-experts experts of
+intermediate size --moe-ffn-hidden-size per layer, --top-k routed per token; Qwen2-MoE adds a
+gated shared expert of --ffn-hidden-size. Qwen3-MoE renormalises its top-k routing weights
+(norm_topk_prob, as Qwen3-30B-A3B does), Qwen2-MoE does not (as Qwen1.5-MoE), Mixtral always does.
 """
 
 from __future__ import annotations
@@ -25,13 +31,16 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from megarl.models.architecture import HF_CLASS_PREFIX
+
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
 BOS_TOKEN = "<|bos|>"
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+               "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixtral"}
 
 
 def make_tokenizer(bos: bool = False) -> PreTrainedTokenizerFast:
@@ -58,13 +67,13 @@ def make_tokenizer(bos: bool = False) -> PreTrainedTokenizerFast:
 
 def make_config(args, tokenizer: PreTrainedTokenizerFast):
     suffix = "ForTokenClassification" if args.value_model else "ForCausalLM"
-    prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[args.family]
     return AutoConfig.for_model(
         MODEL_TYPES[args.family],
-        architectures=[prefix + suffix],
+        architectures=[HF_CLASS_PREFIX[args.family] + suffix],
         vocab_size=len(tokenizer),
         hidden_size=args.hidden_size,
-        intermediate_size=args.ffn_hidden_size,
+        # Mixtral's experts have the model's intermediate size
+        intermediate_size=args.moe_ffn_hidden_size if args.family == "mixtral" else args.ffn_hidden_size,
         num_hidden_layers=args.num_layers,
         num_attention_heads=args.num_heads,
         num_key_value_heads=args.num_kv_heads,
@@ -78,7 +87,19 @@ def make_config(args, tokenizer: PreTrainedTokenizerFast):
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
+        **moe_fields(args),
     )
+
+
+def moe_fields(args) -> dict:
+    if args.family == "mixtral":
+        return dict(num_local_experts=args.num_experts, num_experts_per_tok=args.top_k)
+    if args.family in ("qwen3_moe", "qwen2_moe"):
+        shared = {"shared_expert_intermediate_size": args.ffn_hidden_size} if args.family == "qwen2_moe" else {}
+        return dict(num_experts=args.num_experts, num_experts_per_tok=args.top_k,
+                    moe_intermediate_size=args.moe_ffn_hidden_size, norm_topk_prob=args.family == "qwen3_moe",
+                    decoder_sparse_step=1, mlp_only_layers=[], **shared)
+    return {}
 
 
 def rope_parameters(args) -> dict:
@@ -108,6 +129,9 @@ def main(argv=None) -> None:
     parser.add_argument("--out", required=True, help="output directory (HF layout)")
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--ffn-hidden-size", type=int, default=384)
+    parser.add_argument("--num-experts", type=int, default=8, help="MoE families: routed experts per layer")
+    parser.add_argument("--top-k", type=int, default=2, help="MoE families: experts per token")
+    parser.add_argument("--moe-ffn-hidden-size", type=int, default=64, help="MoE families: one expert's size")
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--num-heads", type=int, default=4, help="head dim = hidden / heads; vLLM needs >= 32")
     parser.add_argument("--num-kv-heads", type=int, default=2)

@@ -25,6 +25,7 @@ from megarl.config.schema import (
     LR_DECAY_STYLES,
     OPTIMIZERS,
     RESUME_MODES,
+    TOKEN_DISPATCHERS,
     EngineConfig,
     RunConfig,
 )
@@ -76,13 +77,14 @@ def validate(config: RunConfig) -> None:
     _check_choice("model.dtype", config.model.dtype, DTYPES)
     _check_choice("model.layer_spec", config.model.layer_spec, LAYER_SPECS)
     _check_at_least("model.make_vocab_size_divisible_by", config.model.make_vocab_size_divisible_by, 1)
+    _check_choice("model.moe.token_dispatcher", config.model.moe.token_dispatcher, TOKEN_DISPATCHERS)
     actor = config.actor
-    for name in ("tp", "pp"):
+    for name in ("tp", "pp", "ep"):
         _check_at_least(f"actor.{name}", getattr(actor, name), 1)
+    _check_at_least("actor.etp", actor.etp, 0)
     # Accepted by megatron-core but not implemented here: nothing splits the sequence over CP ranks
-    # (the local attention asserts CP=1) and no expert-parallel token dispatch is wired up.
+    # (the local attention asserts CP=1).
     _check_supported("actor.cp", actor.cp, "context parallelism is not implemented")
-    _check_supported("actor.ep", actor.ep, "expert parallelism is not implemented")
     _check_engine("actor", actor)
     _check_engine("critic", config.critic)
     _check_at_least("data.train_batch_size", config.data.train_batch_size, 1)
@@ -106,6 +108,12 @@ def validate_layout(config: RunConfig, world_size: int) -> None:
         raise ConfigError(
             f"world size {world_size} is not divisible by actor.tp * actor.pp * actor.cp = "
             f"{model_parallel}; allowed: world sizes that are multiples of {model_parallel}"
+        )
+    expert_grid = (actor.etp or actor.tp) * actor.ep * actor.pp
+    if world_size % expert_grid != 0:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by actor.etp * actor.ep * actor.pp = {expert_grid}; "
+            f"allowed: world sizes that are multiples of {expert_grid} (actor.etp=0 means actor.tp)"
         )
     if world_size % config.rollout.tp != 0:
         raise ConfigError(

@@ -18,6 +18,29 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine")
 KL_CONTROLLERS = ("fixed", "adaptive")
 RESUME_MODES = ("auto", "disable", "path")
 LOGGERS = ("console", "mlflow")
+TOKEN_DISPATCHERS = ("alltoall", "allgather")
+
+
+@dataclass
+class MoEConfig:
+    """How a mixture-of-experts model routes and balances its experts while training (ignored by
+    dense models); becomes `megarl.models.builder.MoESettings`."""
+
+    token_dispatcher: str = "alltoall"
+    """One of TOKEN_DISPATCHERS: "alltoall" sends each token only to the EP ranks holding its
+    experts; "allgather" gathers every token on every EP rank (megatron-core allows it only with
+    micro-batches of one fixed length)."""
+
+    aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing auxiliary loss; 0 disables (1e-2 is a common start)."""
+
+    z_loss_coeff: float = 0.0
+    """Weight of the router z-loss (squared log-sum-exp of the router logits); 0 disables."""
+
+    expert_bias: bool = False
+    """Aux-loss-free load balancing: a per-expert routing bias nudged towards equal load after every
+    step. megatron-core supports it only with sigmoid routing scores, which then replace the
+    checkpoint's softmax scores."""
 
 
 @dataclass
@@ -35,6 +58,9 @@ class ModelConfig:
     """Transformer layer implementation, one of LAYER_SPECS; "auto" picks Transformer Engine
     when it is importable and CUDA is present, the local (pure PyTorch) layers otherwise."""
 
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-experts training settings."""
+
 
 @dataclass
 class ParallelConfig:
@@ -50,7 +76,11 @@ class ParallelConfig:
     """Context-parallel size; only 1 is supported (nothing splits the sequence yet)."""
 
     ep: int = 1
-    """Expert-parallel size; only 1 is supported (no expert-parallel dispatch yet)."""
+    """Expert-parallel size: each MoE layer's experts are spread over this many ranks of the DP
+    ranks (mixture-of-experts models only)."""
+
+    etp: int = 0
+    """Expert tensor-parallel size: each expert's weights are split over this many ranks; 0: same as tp."""
 
 
 @dataclass

@@ -1,10 +1,15 @@
-"""The decoder architecture read from a HuggingFace config: Llama, Qwen2 and Qwen3 families.
+"""The decoder architecture read from a HuggingFace config: Llama, Qwen2, Qwen3 and their
+mixture-of-experts relatives Qwen3-MoE, Qwen2-MoE and Mixtral.
 
 One `Architecture` describes everything megarl needs to build the megatron-core model and to map
 weights both ways. The families differ only in a few switches:
 - Llama: no biases, RoPE with optional llama3 or linear scaling.
 - Qwen2: bias on q/k/v (not on o_proj).
 - Qwen3: per-head RMSNorm on q and k before RoPE (`qk_norm`), explicit head_dim.
+- MoE families: every layer's MLP is `num_experts` SwiGLU experts of which a router picks
+  `moe_topk` per token. Qwen3-MoE has Qwen3's attention; Qwen2-MoE has Qwen2's plus a shared
+  expert whose output a sigmoid gate scales; Mixtral has Llama's. The top-k routing weights are
+  renormalised to sum to one (`moe_norm_topk_prob`: always for Mixtral, per config for Qwen).
 """
 
 from __future__ import annotations
@@ -22,7 +27,16 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForTokenClassification": ("llama", True),
     "Qwen2ForTokenClassification": ("qwen2", True),
     "Qwen3ForTokenClassification": ("qwen3", True),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", False),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", False),
+    "MixtralForCausalLM": ("mixtral", False),
+    "Qwen3MoeForTokenClassification": ("qwen3_moe", True),
+    "Qwen2MoeForTokenClassification": ("qwen2_moe", True),
+    "MixtralForTokenClassification": ("mixtral", True),
 }
+HF_CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3",
+                   "qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral"}
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 # megatron-core implements llama3 scaling with these constants only (rotary_pos_embedding.py).
 _MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -49,14 +63,30 @@ class Architecture:
     qkv_bias: bool
     qk_norm: bool
     initializer_range: float
+    num_experts: int = 0
+    """Routed experts per layer; 0 for a dense model."""
+    moe_topk: int = 0
+    """Experts each token is routed to."""
+    moe_ffn_hidden_size: int = 0
+    """Intermediate size of one routed expert."""
+    shared_expert_ffn_hidden_size: int = 0
+    """Intermediate size of the shared expert every token passes through (Qwen2-MoE); 0: none."""
+    shared_expert_gate: bool = False
+    """The shared expert's output is scaled by sigmoid(gate . hidden) (Qwen2-MoE)."""
+    moe_norm_topk_prob: bool = True
+    """The top-k routing weights are renormalised to sum to one (softmax over the chosen experts'
+    logits); otherwise they are the chosen entries of the softmax over all experts."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_kv_heads
 
     def hf_architecture(self) -> str:
-        prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[self.family]
-        return prefix + ("ForTokenClassification" if self.value_model else "ForCausalLM")
+        return HF_CLASS_PREFIX[self.family] + ("ForTokenClassification" if self.value_model else "ForCausalLM")
 
 
 def read_hf_config(model_dir: str) -> dict:
@@ -85,8 +115,10 @@ def architecture_from_hf(config: dict, source: str = "config.json") -> Architect
         unsupported("use_sliding_window", "sliding-window attention is not implemented")
     if config.get("mlp_bias"):
         unsupported("mlp_bias", "expected false")
-    if config.get("attention_bias") and family != "qwen2":
+    if config.get("attention_bias") and family not in ("qwen2", "qwen2_moe"):
         unsupported("attention_bias", "expected false (o_proj biases are not implemented)")
+    if family == "mixtral" and config.get("sliding_window") is not None:
+        unsupported("sliding_window", "expected null (sliding-window attention is not implemented)")
     if value_model and config.get("num_labels", len(config.get("id2label", {0: 0}))) != 1:
         unsupported("num_labels", "a value model has exactly one label")
 
@@ -113,9 +145,29 @@ def architecture_from_hf(config: dict, source: str = "config.json") -> Architect
         rope_factor=float(rope.get("factor", 1.0)),
         rms_norm_eps=config["rms_norm_eps"],
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2",
-        qk_norm=family == "qwen3",
+        qkv_bias=family == "qwen2" or (family == "qwen2_moe" and config.get("qkv_bias", True)),
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         initializer_range=config.get("initializer_range", 0.02),
+        **(_moe_fields(config, family, unsupported) if family in MOE_FAMILIES else {}),
+    )
+
+
+def _moe_fields(config: dict, family: str, unsupported) -> dict:
+    """The mixture-of-experts fields of `Architecture`; every layer must be a sparse MoE layer."""
+    if config.get("decoder_sparse_step", 1) != 1:
+        unsupported("decoder_sparse_step", "expected 1 (every layer a mixture of experts)")
+    if config.get("mlp_only_layers"):
+        unsupported("mlp_only_layers", "expected [] (every layer a mixture of experts)")
+    if config.get("router_jitter_noise"):
+        unsupported("router_jitter_noise", "expected 0 (megatron's router has no jitter of this kind)")
+    shared = (config.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0
+    return dict(
+        num_experts=config.get("num_experts") or config["num_local_experts"],
+        moe_topk=config["num_experts_per_tok"],
+        moe_ffn_hidden_size=config["intermediate_size"] if family == "mixtral" else config["moe_intermediate_size"],
+        shared_expert_ffn_hidden_size=shared,
+        shared_expert_gate=shared > 0,
+        moe_norm_topk_prob=family == "mixtral" or bool(config.get("norm_topk_prob", False)),
     )
 
 
@@ -125,8 +177,12 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def check_layout_fits(arch: Architecture, tp: int, pp: int) -> None:
+def check_layout_fits(arch: Architecture, tp: int, pp: int, ep: int = 1) -> None:
     """Fail early, naming the layout key, when the model cannot be split this way."""
+    if ep > 1 and not arch.is_moe:
+        raise ValueError(f"actor.ep={ep} needs a mixture-of-experts model; this {arch.family} model is dense: use actor.ep=1")
+    if arch.is_moe and arch.num_experts % ep:
+        raise ValueError(f"actor.ep={ep} must divide the number of experts {arch.num_experts}")
     if arch.num_layers % pp:
         raise ValueError(f"actor.pp={pp} must divide num_hidden_layers={arch.num_layers}")
     if arch.num_kv_heads % tp:

@@ -3,6 +3,11 @@
 The layer spec decides *which* modules implement the layer: megatron-core's local modules on CPU,
 Transformer Engine's fused ones where `megarl.device` says TE is usable (`layer_spec="auto"`).
 Fused kernels and sequence parallelism follow the device too (`fused_kernels`).
+
+Mixture-of-experts architectures get megatron-core's own MoE layer in every decoder layer: a
+router, the experts (one MLP per local expert with the local spec; grouped GEMMs over the local
+experts with Transformer Engine) and, for Qwen2-MoE, the gated shared expert. How they train
+(token dispatcher, balancing losses, expert bias, routing replay) is `MoESettings`.
 """
 
 from __future__ import annotations
@@ -43,6 +48,53 @@ class ScheduleSettings:
     """Scales the loss before backward (the optimizer's loss scale for fp16)."""
 
 
+@dataclass(frozen=True)
+class MoESettings:
+    """How a mixture-of-experts model routes and balances while training (from config `model.moe`,
+    router replay from `actor.router_replay`); ignored by dense models."""
+
+    token_dispatcher: str = "alltoall"
+    """How tokens reach the EP ranks holding their experts: "alltoall" sends each token only where it
+    is routed; "allgather" gathers every token on every EP rank."""
+    aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing auxiliary loss (Switch-Transformer style); 0 disables."""
+    z_loss_coeff: float = 0.0
+    """Weight of the router z-loss (mean squared log-sum-exp of the router logits); 0 disables."""
+    expert_bias: bool = False
+    """Aux-loss-free load balancing: a per-expert bias, nudged after every step towards equal load,
+    is added to the routing scores for choosing experts (not for weighting them). megatron-core
+    supports it with sigmoid scores only, so the router then scores experts with a sigmoid (weights
+    renormalised over the chosen experts) instead of the checkpoint's softmax."""
+    router_replay: bool = False
+    """Route by recorded expert choices (those of the rollout) instead of the router's own top-k."""
+
+
+def moe_transformer_fields(arch: Architecture, layout: ParallelLayout, moe: MoESettings,
+                           layer_spec: str) -> dict:
+    """The TransformerConfig fields of the MoE layers; none for a dense model."""
+    if not arch.is_moe:
+        # megatron-core rejects variable_seq_lengths with its default MoE token dispatcher
+        # ("allgather") even in a dense model, which builds no dispatcher at all.
+        return {"moe_token_dispatcher_type": "alltoall"}
+    return dict(
+        num_moe_experts=arch.num_experts,
+        moe_router_topk=arch.moe_topk,
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=arch.shared_expert_ffn_hidden_size or None,
+        moe_shared_expert_gate=arch.shared_expert_gate,
+        # Softmax after top-k equals the top-k entries of the full softmax renormalised to sum to one.
+        moe_router_pre_softmax=not arch.moe_norm_topk_prob,
+        moe_router_score_function="sigmoid" if moe.expert_bias else "softmax",
+        moe_router_enable_expert_bias=moe.expert_bias,
+        moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_z_loss_coeff=moe.z_loss_coeff or None,
+        moe_token_dispatcher_type=moe.token_dispatcher,
+        moe_enable_routing_replay=moe.router_replay,
+        moe_grouped_gemm=layer_spec == "transformer_engine",
+        expert_tensor_parallel_size=layout.etp,
+    )
+
+
 def resolve_layer_spec(layer_spec: str) -> str:
     if layer_spec not in LAYER_SPECS:
         raise ValueError(f"model.layer_spec={layer_spec!r}; allowed: {', '.join(LAYER_SPECS)}")
@@ -77,7 +129,7 @@ def fused_kernels(layer_spec: str, tp: int) -> dict[str, bool]:
 
 def transformer_config(
     arch: Architecture, layout: ParallelLayout, dtype: str, recompute_activations: bool = False,
-    schedule: ScheduleSettings = ScheduleSettings(), layer_spec: str = "local",
+    schedule: ScheduleSettings = ScheduleSettings(), layer_spec: str = "local", moe: MoESettings = MoESettings(),
 ) -> TransformerConfig:
     params_dtype = TORCH_DTYPES[dtype]
     return TransformerConfig(
@@ -114,9 +166,7 @@ def transformer_config(
         persist_layer_norm=False,
         **fused_kernels(layer_spec, layout.tp),
         **vars(schedule),
-        # megatron-core rejects variable_seq_lengths with its default MoE token dispatcher
-        # ("allgather") even in a dense model, which builds no dispatcher at all.
-        moe_token_dispatcher_type="alltoall" if schedule.variable_seq_lengths else "allgather",
+        **moe_transformer_fields(arch, layout, moe, layer_spec),
     )
 
 
@@ -128,16 +178,19 @@ def build_model(
     make_vocab_size_divisible_by: int = 128,
     recompute_activations: bool = False,
     schedule: ScheduleSettings = ScheduleSettings(),
+    moe: MoESettings = MoESettings(),
 ) -> GPTModel:
     """The stage of `arch` that this rank holds: its layers, embedding on the first stage, and the
     output layer (or value head for value models) on the last stage."""
-    check_layout_fits(arch, layout.tp, layout.pp)
+    check_layout_fits(arch, layout.tp, layout.pp, layout.ep)
     layer_spec = resolve_layer_spec(layer_spec)
-    config = transformer_config(arch, layout, dtype, recompute_activations, schedule, layer_spec)
+    config = transformer_config(arch, layout, dtype, recompute_activations, schedule, layer_spec, moe)
+    num_experts = arch.num_experts or None
     if layer_spec == "transformer_engine":
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+        spec = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=arch.is_moe, qk_layernorm=arch.qk_norm)
     else:
-        spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=arch.qk_norm, normalization="RMSNorm")
     model_class = GPTValueModel if arch.value_model else GPTModel
     model = model_class(
         config=config,

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from megarl.distributed.layout import ParallelLayout
 from megarl.models.architecture import Architecture, architecture_from_hf, read_hf_config
-from megarl.models.builder import ScheduleSettings, build_model
+from megarl.models.builder import MoESettings, ScheduleSettings, build_model
 from megarl.models.hf_checkpoint import SafetensorsReader, write_index, write_shard
 from megarl.models.state_dict_adapter import assemble_shard, merge_shards, param_mappings
 
@@ -40,6 +40,7 @@ def load_hf_model(
     recompute_activations: bool = False,
     value_head: bool = False,
     schedule: ScheduleSettings = ScheduleSettings(),
+    moe: MoESettings = MoESettings(),
 ) -> tuple[torch.nn.Module, Architecture]:
     """Build this rank's stage of the HF model in `model_dir` and load its weights.
 
@@ -48,7 +49,8 @@ def load_hf_model(
     arch = architecture_from_hf(read_hf_config(model_dir), source=f"{model_dir}/config.json")
     if value_head and not arch.value_model:
         arch = dataclasses.replace(arch, value_model=True, tie_word_embeddings=False)
-    model = build_model(arch, layout, dtype, layer_spec, make_vocab_size_divisible_by, recompute_activations, schedule)
+    model = build_model(arch, layout, dtype, layer_spec, make_vocab_size_divisible_by, recompute_activations, schedule,
+                        moe)
     load_hf_weights(model, arch, layout, model_dir)
     return model, arch
 

@@ -95,7 +95,7 @@ def start_run(argv: Sequence[str], rl: bool) -> Run:
     """Parse the config and join the torchrun world at the actor's layout."""
     config = parse_config(argv, rl)
     actor = config.actor
-    layout = init_layout(tp=actor.tp, pp=actor.pp, cp=actor.cp, ep=actor.ep, seed=config.trainer.seed)
+    layout = init_layout(tp=actor.tp, pp=actor.pp, cp=actor.cp, ep=actor.ep, etp=actor.etp, seed=config.trainer.seed)
     return Run(config, layout, Path(config.trainer.output_dir) / config.trainer.experiment_name)
 
 

@@ -75,9 +75,11 @@ BAD_CONFIGS = [
     bad("bad layer_spec", None, [P, "model.layer_spec=te"], "'model.layer_spec'", "transformer_engine"),
     bad("tp zero", None, [P, "actor.tp=0"], "'actor.tp' = 0", ">= 1"),
     bad("negative pp", M + "actor: {pp: -2}", [], "'actor.pp' = -2", ">= 1"),
-    bad("ep zero", None, [P, "actor.ep=0"], "'actor.ep' = 0", "allowed: 1"),
+    bad("ep zero", None, [P, "actor.ep=0"], "'actor.ep' = 0", ">= 1"),
+    bad("etp negative", None, [P, "actor.etp=-1"], "'actor.etp' = -1", ">= 0"),
+    bad("unknown token dispatcher", None, [P, "model.moe.token_dispatcher=flex"], "'model.moe.token_dispatcher'",
+        "alltoall, allgather"),
     bad("context parallel", None, [P, "actor.cp=2"], "'actor.cp' = 2", "not supported", "allowed: 1"),
-    bad("expert parallel", None, [P, "actor.ep=2"], "'actor.ep' = 2", "not supported", "allowed: 1"),
     bad("critic mini-batch zero", None, [P, "critic.ppo_mini_batch_size=0"], "'critic.ppo_mini_batch_size' = 0",
         ">= 1"),
     bad("critic bad optimizer", None, [P, "critic.optim.optimizer=adamw"], "'critic.optim.optimizer'", "adam, sgd"),
@@ -128,6 +130,13 @@ def _layout(*overrides: str) -> RunConfig:
 def test_layout_accepts_fitting_sizes():
     validate_layout(_layout("actor.tp=2", "actor.pp=2"), world_size=4)
     validate_layout(_layout("actor.tp=2", "rollout.tp=4"), world_size=8)
+    validate_layout(_layout("actor.tp=2", "actor.ep=2", "actor.etp=1"), world_size=2)  # experts: ETP1 x EP2
+
+
+def test_layout_rejects_an_expert_grid_that_does_not_fit():
+    # TP2 fits 4 ranks, but each expert split over ETP2 on EP4 ranks needs 8.
+    with pytest.raises(ConfigError, match=r"world size 4 .*actor\.etp \* actor\.ep \* actor\.pp = 8; allowed: .*multiples of 8"):
+        validate_layout(_layout("actor.tp=2", "actor.ep=4"), world_size=4)
 
 
 def test_layout_rejects_indivisible_world_size():
