@@ -178,7 +178,7 @@ class MegatronEngine:
         dist.all_reduce(wanted, op=dist.ReduceOp.MAX, group=self.layout.dp_group)
         count = min(int(wanted[0]), -int(wanted[1]))
         if idle:
-            return micro * count
+            return [micro[0]] * count
         return recut_micro_batches(micro, count, batch.sequence_lengths_B)
 
     def _run_schedule(self, batch: SequenceBatch, micro: list[list[int]], loss_func, forward_only: bool) -> list:

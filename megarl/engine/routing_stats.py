@@ -6,7 +6,8 @@ With activation recomputation megatron runs the first forward without grad and t
 with it, so each token is still counted once. Summed over the micro-batches and DP ranks of the
 mini-batch, a layer's load is its busiest expert's tokens (`tokens_per_expert_max`) against the mean
 over experts (`tokens_per_expert_mean` = tokens x top-k / experts); `load_max_over_mean` is the worst
-layer's ratio (1 when every layer is perfectly balanced).
+layer's ratio (1 when every layer is perfectly balanced). The same counts drive aux-loss-free
+balancing (`model.moe.expert_bias`): megatron moves each expert's bias after the step from them.
 
 Router losses: megatron's routers record each layer's load-balancing loss and z-loss of every
 training micro-batch, without their coefficients, in megatron-core's layer-wise tracker
@@ -26,6 +27,10 @@ from megarl import device
 from megarl.distributed.layout import ParallelLayout
 
 
+def _counted_by_the_hook(routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None) -> None:
+    """Stands in for `TopKRouter._apply_expert_bias`: `RoutingStats._count` counts the tokens."""
+
+
 class RoutingStats:
     def __init__(self, module: torch.nn.Module, num_layers: int, num_experts: int):
         """Hook the routers of `module` (this rank's pipeline stage of a model of `num_layers` layers)."""
@@ -35,6 +40,10 @@ class RoutingStats:
         self.routers = [router for router in module.modules() if isinstance(router, TopKRouter)]
         for router in self.routers:
             router.register_forward_hook(self._count, with_kwargs=True)
+            if router.enable_expert_bias:
+                # megatron-core 0.16.1 masks padding out of the aux-loss-free balancing's counts with a
+                # mask of the wrong shape ((tokens,) against (tokens, experts)): the hook counts for it.
+                router._apply_expert_bias = _counted_by_the_hook
 
     def begin(self, weight: float) -> None:
         """Start an optimizer step whose micro-batches count with `weight` (0: a DP rank's stand-in)."""
@@ -49,7 +58,10 @@ class RoutingStats:
         padding = args[1] if len(args) > 1 else kwargs.get("padding_mask")
         if padding is not None:
             routing_map_NE = routing_map_NE & ~padding.reshape(-1, 1)
-        self.tokens_LE[router.layer_number - 1] += routing_map_NE.sum(0).double() * self.weight
+        tokens_E = routing_map_NE.sum(0) * self.weight
+        self.tokens_LE[router.layer_number - 1] += tokens_E
+        if router.enable_expert_bias:  # read and reset by megatron's finalize_model_grads
+            router.local_tokens_per_expert += tokens_E
 
     def metrics(self, num_micro_batches: int, layout: ParallelLayout) -> dict[str, float]:
         """The step's `moe/*` metrics, the same on every rank (collective over PP and DP)."""

@@ -4,6 +4,10 @@ At every layout: log-probs and entropy (temperature 0.7) and critic values equal
 (<= 1e-4), and one AdamW step of a fixed loss (with grad clipping) gives the same weights as at TP1
 (<= 1e-5). PP2 and DP2 use token-budget micro-batches and TP2 recomputes activations; neither may
 change the update. DP2 also trains a bf16 copy of the policy for a few steps beside the fp32 one.
+
+A tiny Qwen3-MoE is trained at EP1 and EP2 in one 2-process world (`moe_engine_checks.py`): its step,
+router losses included, equals `transformers` and EP1, its routing metrics equal a count of HF's
+routing, and an EP2 checkpoint resumes exactly.
 """
 
 from __future__ import annotations
@@ -157,14 +161,11 @@ def test_moe_router_loss_and_expert_load_metrics_match_transformers_routing(moe_
         assert step["moe/load_max_over_mean"] == pytest.approx(float(ratio)) and ratio > 1
 
 
-def test_moe_resumes_exactly_at_ep2_and_reshards_experts_to_ep1(moe_run):
+def test_moe_resumes_exactly_at_ep2(moe_run):
     report, _ = moe_run
     step3, resumed = report["step3"], report["step3_resumed_ep2"]
     assert resumed["loss"] == step3["loss"] and resumed["grad_norm"] == step3["grad_norm"]
     assert report["weights_diff_resumed_ep2"] == 0.0
-    resharded = report["step3_resumed_ep1"]
-    assert resharded["loss"] == pytest.approx(step3["loss"], abs=1e-6)
-    assert resharded["grad_norm"] == pytest.approx(step3["grad_norm"], rel=1e-5)
     assert step3["loss"] < report["ep2"]["loss"]  # step 3 starts from the trained weights
 
 
