@@ -1,6 +1,7 @@
 """Check that megatron-core at a TP x PP layout computes the same logits as `transformers`.
 
     torchrun --nproc_per_node=4 checkpoints_tools/compare_logits.py --hf DIR [DIR ...] --tp 2 --pp 2
+    torchrun --nproc_per_node=4 checkpoints_tools/compare_logits.py --hf MOE_DIR [DIR ...] --tp 2 --ep 2 [--etp 1]
 
 Each HF checkpoint is loaded into megatron at the layout (each rank reading only its slices), a
 batch of prompts runs through the pipeline, and one last-stage rank compares the real-vocabulary
@@ -26,12 +27,14 @@ def main(argv=None) -> int:
     parser.add_argument("--hf", nargs="+", required=True, help="HuggingFace model directories")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (mixture-of-experts models)")
+    parser.add_argument("--etp", type=int, default=0, help="expert tensor-parallel size; 0: same as --tp")
     parser.add_argument("--tolerance", type=float, default=1e-4)
     parser.add_argument("--layer-spec", choices=LAYER_SPECS, default="auto")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="megatron's; transformers runs in fp32")
     args = parser.parse_args(argv)
 
-    layout = init_layout(tp=args.tp, pp=args.pp)
+    layout = init_layout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
     failed = False
     for model_dir in args.hf:
         model, arch = load_hf_model(model_dir, layout, args.dtype, layer_spec=args.layer_spec)

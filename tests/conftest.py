@@ -28,6 +28,14 @@ TINY_MODELS = {
     "qwen3-untied": ["--family", "qwen3", "--no-tied"],
     "qwen3-moe": ["--family", "qwen3_moe", "--no-tied"],
 }
+# Every mixture-of-experts family (8 experts, top-2): Qwen3-MoE renormalises its top-k routing
+# weights, Qwen2-MoE does not and has a gated shared expert; plus an untied model and a value model.
+TINY_MOE_MODELS = {
+    "qwen3-moe": ["--family", "qwen3_moe"],
+    "qwen2-moe": ["--family", "qwen2_moe"],
+    "mixtral-untied": ["--family", "mixtral", "--no-tied"],
+    "qwen2-moe-value": ["--family", "qwen2_moe", "--value-model"],
+}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -40,12 +48,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _make_tiny_models(root: Path, models: dict[str, list[str]]) -> dict[str, Path]:
+    for seed, (name, args) in enumerate(models.items()):
+        make_tiny_model.main(["--out", str(root / name), "--seed", str(seed), *args])
+    return {name: root / name for name in models}
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tiny_models")
-    for seed, (name, args) in enumerate(TINY_MODELS.items()):
-        make_tiny_model.main(["--out", str(root / name), "--seed", str(seed), *args])
-    return {name: root / name for name in TINY_MODELS}
+    return _make_tiny_models(tmp_path_factory.mktemp("tiny_models"), TINY_MODELS)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_models(tmp_path_factory) -> dict[str, Path]:
+    return _make_tiny_models(tmp_path_factory.mktemp("tiny_moe_models"), TINY_MOE_MODELS)
 
 
 def torchrun(nproc: int, script: str | Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:

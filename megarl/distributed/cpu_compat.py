@@ -1,8 +1,8 @@
 """Bridges megatron-core's CUDA assumptions so that it runs on CPU over gloo.
 
 Applied only when `megarl.device` says CUDA is absent (`apply_cpu_compat` is a no-op otherwise).
-megatron-core 0.16 assumes a GPU in eight places; each is bridged by one named `Bridge` below, so
-a test can leave one out and watch the megatron code path it guards fail:
+megatron-core 0.16 assumes a GPU (or Transformer Engine) in ten places; each is bridged by one
+named `Bridge` below, so a test can leave one out and watch the megatron code path it guards fail:
 
 1. `current_device`: `torch.cuda.current_device()` used as the device of buffers (the global
    memory buffer of local attention, DDP buffers, pipeline p2p shape tensors).
@@ -16,6 +16,13 @@ a test can leave one out and watch the megatron code path it guards fail:
 7. `optimizer_type`: the optimizers sort parameters by CUDA type names.
 8. `optimizer_gather_cuda`: saving the distributed optimizer's state in its layout-independent
    (`fully_reshardable`) form all-gathers it over DP after `Tensor.cuda()`.
+9. `te_general_gemm`: the MoE router's gating GEMM tests `te_general_gemm is not None`, a name
+   that `moe_utils` defines only when Transformer Engine imports.
+10. `alltoall_host_copies`: the alltoall token dispatcher copies its token counts to the host on
+   a side `torch.cuda.Stream`, waits on an event recorded there, and hands the split sizes to
+   `all_to_all_single` as the numpy arrays that copy made. On CPU the counts already live on the
+   host: the stream and event do nothing, and the "copy" still makes the numpy arrays (gloo
+   rejects tensors as split sizes).
 
 How: megatron modules get a *view* of `torch` as their module global `torch`; the view forwards
 everything to the real module, except the attributes a bridge sets on it. Nothing outside
@@ -43,6 +50,7 @@ from megarl import device
 # them, each loaded `megatron.core` module gets the view as its `torch` global.
 _MEGATRON_ENTRY_POINTS = (
     "megatron.core.models.gpt.gpt_model",
+    "megatron.core.models.gpt.gpt_layer_specs",
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.distributed",
     "megatron.core.optimizer",
@@ -74,6 +82,8 @@ class Bridge:
     name: str
     assumption: str
     apply: Callable[[_ForwardingView], None]
+    symptom: str = "cuda"
+    """What the error of the megatron path reads like without the bridge (lower case)."""
 
 
 def _on_cpu(device):
@@ -189,6 +199,43 @@ def _apply_optimizer_gather_cuda(view):
     _wrap_with(distrib_optimizer.DistributedOptimizer, "get_parameter_state_dp_zero", _tensor_cuda_is_identity)
 
 
+def _apply_te_general_gemm(view):
+    moe_utils = sys.modules["megatron.core.transformer.moe.moe_utils"]
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # what the module means when TE is absent
+
+
+def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """`moe_utils.maybe_move_tensor_to_cpu` for tensors that already live on the host: what its
+    device-to-host copy returns (a copy, as a numpy array if asked)."""
+    if not torch.is_tensor(tensor):
+        return tensor
+    return tensor.numpy().copy() if as_numpy else tensor.clone()
+
+
+class _HostEvent:
+    def synchronize(self) -> None:
+        pass  # host work is done when it returns
+
+
+class _HostStream:
+    """Stands in for a CUDA stream: host work runs in program order, so waiting is a no-op."""
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def record_event(self) -> _HostEvent:
+        return _HostEvent()
+
+
+def _apply_alltoall_host_copies(view):
+    host_stream = _HostStream()
+    view.cuda.Stream = lambda *args, **kwargs: _HostStream()
+    view.cuda.current_stream = lambda device=None: host_stream
+    view.cuda.stream = lambda stream: contextlib.nullcontext()
+    sys.modules["megatron.core.transformer.moe.token_dispatcher"].maybe_move_tensor_to_cpu = _host_copy
+
+
 BRIDGES = (
     Bridge("current_device", "torch.cuda.current_device() as a buffer device", _apply_current_device),
     Bridge("rng_tracker", "tensor-parallel RNG tracker on the CUDA generator", _apply_rng_tracker),
@@ -199,6 +246,10 @@ BRIDGES = (
     Bridge("optimizer_type", "optimizers sort params by CUDA type names", _apply_optimizer_type),
     Bridge("optimizer_gather_cuda", "Tensor.cuda() before gathering optimizer state to save it",
            _apply_optimizer_gather_cuda),
+    Bridge("te_general_gemm", "MoE router gating reads te_general_gemm, undefined without TE", _apply_te_general_gemm,
+           symptom="te_general_gemm"),
+    Bridge("alltoall_host_copies", "alltoall token dispatcher copies counts to the host on a CUDA stream",
+           _apply_alltoall_host_copies),
 )
 
 

@@ -1,9 +1,11 @@
 """Loading HuggingFace weights into a megatron-core model at any layout, and exporting them back.
 
-Load: every rank reads only the slices its TP rank and PP stage own.
-Export: TP shards are gathered within each pipeline stage; one rank per stage writes that stage's
-safetensors shard, so no rank ever holds more than one stage of the model; rank 0 writes the
-index and config. The round trip HF -> megatron -> HF is bit-identical.
+Load: every rank reads only the slices its TP rank and PP stage own (for experts: the slices its
+ETP rank owns of its EP rank's experts).
+Export: TP shards are gathered within each pipeline stage (experts: over ETP, then their HF
+tensors over EP); one rank per stage writes that stage's safetensors shard, so no rank ever holds
+more than one stage of the model; rank 0 writes the index and config. The round trip
+HF -> megatron -> HF is bit-identical.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from megarl.distributed.layout import ParallelLayout
 from megarl.models.architecture import Architecture, architecture_from_hf, read_hf_config
 from megarl.models.builder import MoESettings, ScheduleSettings, build_model
 from megarl.models.hf_checkpoint import SafetensorsReader, write_index, write_shard
-from megarl.models.state_dict_adapter import assemble_shard, merge_shards, param_mappings
+from megarl.models.state_dict_adapter import ParamMapping, assemble_shard, merge_shards, param_mappings, tp_split
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -65,23 +67,39 @@ def load_hf_weights(model: torch.nn.Module, arch: Architecture, layout: Parallel
         if mapping.megatron_name.startswith("output_layer.score.") and mapping.hf_names[0] not in available:
             param.zero_()  # a new value head on a causal LM backbone
             continue
-        shard = assemble_shard(mapping, arch, param.shape, layout.tp_rank, layout.tp, reader.read)
+        shard = assemble_shard(mapping, arch, param.shape, *tp_split(mapping, layout), reader.read)
         param.copy_(shard)
 
 
 @torch.no_grad()
 def gather_hf_state_dict(model: torch.nn.Module, arch: Architecture, layout: ParallelLayout) -> dict[str, torch.Tensor]:
-    """This pipeline stage's weights under HF names (complete on every rank of the TP group)."""
+    """This pipeline stage's weights under HF names (complete on every rank of the stage)."""
     params = dict(model.named_parameters())
+    # The same parameters as each EP rank names them: its own experts.
+    named_by_ep_rank = [param_mappings(model, arch, ep_rank) for ep_rank in range(layout.ep)]
     hf_tensors = {}
-    for mapping in param_mappings(model, arch):
+    for index, mapping in enumerate(param_mappings(model, arch)):
         if mapping.megatron_name == "output_layer.weight" and arch.tie_word_embeddings:
             continue  # the last stage's copy of the tied embedding; the first stage exports it
         param = params[mapping.megatron_name].detach()
-        shards = [torch.empty_like(param) for _ in range(layout.tp)]
-        dist.all_gather(shards, param.contiguous(), group=layout.tp_group)
-        hf_tensors.update(merge_shards(mapping, arch, shards))
+        shards = [torch.empty_like(param) for _ in range(tp_split(mapping, layout)[1])]
+        dist.all_gather(shards, param.contiguous(), group=layout.etp_group if mapping.expert else layout.tp_group)
+        merged = merge_shards(mapping, arch, shards)
+        if mapping.expert:
+            merged = _gather_over_ep(merged, mapping, [named[index] for named in named_by_ep_rank], layout)
+        hf_tensors.update(merged)
     return hf_tensors
+
+
+def _gather_over_ep(merged: dict[str, torch.Tensor], mapping: ParamMapping, as_named_by: list[ParamMapping],
+                    layout: ParallelLayout) -> dict[str, torch.Tensor]:
+    """Every EP rank's version of one expert weight (each rank holds different experts)."""
+    gathered = {}
+    for position, name in enumerate(mapping.hf_names):
+        tensors = [torch.empty_like(merged[name]) for _ in range(layout.ep)]
+        dist.all_gather(tensors, merged[name], group=layout.ep_group)
+        gathered.update((named.hf_names[position], tensor) for named, tensor in zip(as_named_by, tensors))
+    return gathered
 
 
 def export_hf(

@@ -10,6 +10,13 @@ HF tensors (or zero rows of vocabulary padding). The whole mapping is this one i
     gate_up     linear_fc1 = [gate_r; up_r]                         gate rows, up rows
     qkv         linear_qkv = per local query group g: [q_g; k_g; v_g] q/k/v rows of each group
 
+Mixture-of-experts layers add the router and the Qwen2-MoE shared expert's gate (replicated),
+the shared expert (split over TP like the dense MLP) and the routed experts. Each expert is an MLP
+of the same kinds, gate_up and row, but split over the expert tensor-parallel ranks (ETP, which
+`ParamMapping.expert` marks; `tp_split` picks the split), and a rank holds only its EP rank's
+experts: local expert i of EP rank e is global expert e * num_local_experts + i, the index in
+the HF names.
+
 Loading reads exactly the pieces a rank owns (lazily from safetensors), exporting puts the TP
 shards' pieces back in place, and the resharding planner moves the same pieces between layouts.
 """
@@ -44,8 +51,22 @@ _LAYER_RULES = {
     "mlp.linear_fc1.layer_norm_weight": ("replicated", ("post_attention_layernorm.weight",)),
     "mlp.linear_fc1.weight": ("gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
     "mlp.linear_fc2.weight": ("row", ("mlp.down_proj.weight",)),
+    # Mixture of experts ({moe}: the HF block's name; the routed experts follow `_EXPERT_NAME`).
+    "mlp.router.weight": ("replicated", ("{moe}.gate.weight",)),
+    "mlp.shared_experts.linear_fc1.weight": (
+        "gate_up",
+        ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+    ),
+    "mlp.shared_experts.linear_fc2.weight": ("row", ("mlp.shared_expert.down_proj.weight",)),
+    "mlp.shared_experts.gate_weight": ("replicated", ("mlp.shared_expert_gate.weight",)),
 }
 _LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+# A routed expert's linear layers: one module per local expert (local spec), or one grouped
+# module holding weight<i> per local expert (Transformer Engine's grouped GEMM).
+_EXPERT_NAME = re.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))")
+# family -> (HF MoE block, HF names of an expert's gate, up and down projections)
+_HF_EXPERTS = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
+_HF_EXPERTS_DEFAULT = ("mlp", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -67,24 +88,45 @@ class ParamMapping:
     megatron_name: str
     kind: str
     hf_names: tuple[str, ...]
+    expert: bool = False
+    """A routed expert's weight: split over the expert tensor-parallel ranks, not the TP ranks."""
 
 
-def param_mappings(model: torch.nn.Module, arch: Architecture) -> list[ParamMapping]:
-    """The mapping of every parameter this rank's model stage holds."""
+def tp_split(mapping: ParamMapping, layout) -> tuple[int, int]:
+    """(rank, size) of the tensor-parallel split of `mapping`'s parameter on this `ParallelLayout`."""
+    return (layout.etp_rank, layout.etp) if mapping.expert else (layout.tp_rank, layout.tp)
+
+
+def param_mappings(model: torch.nn.Module, arch: Architecture, ep_rank: int | None = None) -> list[ParamMapping]:
+    """The mapping of every parameter this rank's model stage holds; with `ep_rank`, named as EP rank
+    `ep_rank` names its own experts (the same parameters, in the same order)."""
     layer_numbers = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
+    expert_offset = 0
+    if arch.is_moe and len(model.decoder.layers):
+        moe_layer = model.decoder.layers[0].mlp
+        expert_offset = moe_layer.local_expert_indices[0] if ep_rank is None else ep_rank * moe_layer.num_local_experts
     return [
-        param_mapping(name, arch, layer_numbers)
+        param_mapping(name, arch, layer_numbers, expert_offset)
         for name, _ in model.named_parameters()
     ]
 
 
-def param_mapping(name: str, arch: Architecture, layer_numbers: dict[int, int]) -> ParamMapping:
-    """The mapping of megatron parameter `name`; `layer_numbers` maps local to global layer indices."""
+def param_mapping(name: str, arch: Architecture, layer_numbers: dict[int, int], expert_offset: int = 0) -> ParamMapping:
+    """The mapping of megatron parameter `name`; `layer_numbers` maps local to global layer indices,
+    `expert_offset` is the global index of this rank's first expert."""
     match = _LAYER_NAME.fullmatch(name)
     if match:
-        global_layer = layer_numbers[int(match.group(1))]
+        layer = f"model.layers.{layer_numbers[int(match.group(1))]}."
+        moe_block, gate, up, down = _HF_EXPERTS.get(arch.family, _HF_EXPERTS_DEFAULT)
+        expert = _EXPERT_NAME.fullmatch(match.group(2))
+        if expert:
+            local_expert, linear = (expert.group(1), expert.group(2)) if expert.group(1) else expert.group(4, 3)
+            prefix = f"{layer}{moe_block}.experts.{expert_offset + int(local_expert)}."
+            if linear == "linear_fc1":
+                return ParamMapping(name, "gate_up", (f"{prefix}{gate}.weight", f"{prefix}{up}.weight"), expert=True)
+            return ParamMapping(name, "row", (f"{prefix}{down}.weight",), expert=True)
         kind, suffixes = _LAYER_RULES[match.group(2)]
-        return ParamMapping(name, kind, tuple(f"model.layers.{global_layer}.{s}" for s in suffixes))
+        return ParamMapping(name, kind, tuple(layer + s.format(moe=moe_block) for s in suffixes))
     embed = "model.embed_tokens.weight"
     rules = {
         "embedding.word_embeddings.weight": ("vocab", (embed,)),

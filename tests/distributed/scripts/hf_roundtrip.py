@@ -1,5 +1,8 @@
 """Load HF checkpoints into megatron at a layout and export them back (checked by the test).
 
+Mixture-of-experts models are loaded with their experts spread over --ep ranks and split over
+--etp ranks (dense models keep EP1).
+
 Also checks, for Llama-like models (no biases, no QK norm, untied), that the shard shapes the
 resharding cost model (bench/resharding_cost_model.py) computes on paper are the built model's.
 """
@@ -12,6 +15,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megarl.distributed import init_layout
+from megarl.models.architecture import architecture_from_hf, read_hf_config
 from megarl.models.hf_interop import export_hf, load_hf_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
@@ -22,12 +26,15 @@ parser.add_argument("--hf", nargs="+", required=True)
 parser.add_argument("--out", required=True)
 parser.add_argument("--tp", type=int, default=1)
 parser.add_argument("--pp", type=int, default=1)
+parser.add_argument("--ep", type=int, default=1, help="for the mixture-of-experts models")
+parser.add_argument("--etp", type=int, default=0, help="for the mixture-of-experts models")
 args = parser.parse_args()
 
-layout = init_layout(tp=args.tp, pp=args.pp)
 for model_dir in args.hf:
+    moe = architecture_from_hf(read_hf_config(model_dir)).is_moe
+    layout = init_layout(tp=args.tp, pp=args.pp, ep=args.ep if moe else 1, etp=args.etp if moe else 0)
     model, arch = load_hf_model(model_dir, layout)
-    if not (arch.qkv_bias or arch.qk_norm or arch.tie_word_embeddings):
+    if not (arch.qkv_bias or arch.qk_norm or arch.tie_word_embeddings or arch.is_moe):
         built = {name: tuple(p.shape) for name, p in model.named_parameters()}
         on_paper = stage_shard_shapes(arch, layout.tp, layout.pp, layout.pp_rank)
         assert built == on_paper, f"{model_dir}: built {built} != cost model {on_paper}"
