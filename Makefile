@@ -7,7 +7,7 @@ OUT := outputs/quickstart
 TORCHRUN := $(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=2
 export OMP_NUM_THREADS := 1
 
-.PHONY: quickstart test install docker-check clean
+.PHONY: quickstart moe-quickstart test install docker-check clean
 
 # The main job on the embedded default: a tiny Qwen2 and its tokenizer made here, synthetic "a+b="
 # tasks, a short SFT warm start, then GRPO on 2 CPU processes (curves in $(OUT)/quickstart_grpo).
@@ -16,6 +16,14 @@ quickstart: $(INSTALLED)
 	$(PYTHON) -m megarl.data.synthetic --task arithmetic --out-dir $(OUT)/data --num-train 20000 --num-test 500 --seed 0
 	$(TORCHRUN) launchers/train_sft.py --config configs/quickstart_sft.yaml
 	$(TORCHRUN) launchers/train_ppo.py --config configs/quickstart.yaml
+
+# The same job with a tiny Qwen3-MoE (8 experts, top-2) trained at expert parallelism 2: SFT warm
+# start, then GRPO (curves in outputs/moe_quickstart/moe_quickstart_grpo).
+moe-quickstart: $(INSTALLED)
+	$(PYTHON) checkpoints_tools/make_tiny_model.py --family qwen3_moe --no-tied --out outputs/moe_quickstart/base
+	$(PYTHON) -m megarl.data.synthetic --task arithmetic --out-dir outputs/moe_quickstart/data --num-train 20000 --num-test 500 --seed 0
+	$(TORCHRUN) launchers/train_sft.py --config configs/moe_quickstart_sft.yaml
+	$(TORCHRUN) launchers/train_ppo.py --config configs/moe_quickstart.yaml
 
 test: $(INSTALLED)
 	$(PYTHON) -m megarl.doctor --require core

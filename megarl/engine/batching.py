@@ -7,7 +7,9 @@ mini-batches in a seeded order that does not depend on DP (`mini_batch_groups`),
 owns a balanced part of every mini-batch of the first epoch (`owned_groups`).
 
 Into micro-batches: fixed mode cuts a rank's share into micro-batches of a fixed size; dynamic
-mode fills micro-batches under a token budget per rank.
+mode fills micro-batches under a token budget per rank. With expert parallelism every MoE layer's
+forward and backward is a collective over DP ranks, so their micro-batch counts must agree
+(`recut_micro_batches`).
 """
 
 from __future__ import annotations
@@ -75,6 +77,27 @@ def budgeted_micro_batches(indices: list[int], lengths_B: torch.Tensor, max_toke
         else:
             return [sorted(b) for b in bins if b]
         num_bins += 1
+
+
+def recut_micro_batches(micro: list[list[int]], count: int, lengths_B: torch.Tensor) -> list[list[int]]:
+    """`micro` re-cut into exactly `count` micro-batches (at most one per sequence): the micro-batch with
+    the most tokens is split in halves, or the two with the fewest merged, until the count is met."""
+    micro = [list(indices) for indices in micro]
+
+    def tokens(indices: list[int]) -> int:
+        return sum(int(lengths_B[i]) for i in indices)
+
+    assert 1 <= count <= sum(map(len, micro)), (count, micro)
+    while len(micro) < count:
+        largest = max((m for m in micro if len(m) > 1), key=tokens)
+        micro.remove(largest)
+        micro += [largest[: len(largest) // 2], largest[len(largest) // 2 :]]
+    while len(micro) > count:
+        first, second = sorted(micro, key=tokens)[:2]
+        micro.remove(first)
+        micro.remove(second)
+        micro.append(sorted(first + second))
+    return micro
 
 
 def token_imbalance(tokens_per_rank: list[int]) -> float:

@@ -12,6 +12,12 @@ right-padded to the micro-batch's longest sequence.
 Losses are normalised by *global* counts (tokens or sequences of the whole mini-batch, summed over
 the DP ranks' shares), so gradients are summed, not averaged, over micro-batches and DP ranks
 (`calculate_per_token_loss`): the update equals a single big-batch step at any layout.
+
+Mixture-of-experts models (`arch.is_moe`) train at any expert-parallel size: megatron's DDP reduces
+expert gradients over the expert-data-parallel group and its optimizer keeps expert parameters in a
+second (chained) optimizer over that group; the grad norm is taken over both. Their routers' auxiliary
+losses (load balancing, z-loss) join the backward as token-means over the mini-batch but stay out of
+the reported losses; `RoutingStats` logs them with each layer's expert load.
 """
 
 from __future__ import annotations
@@ -33,9 +39,16 @@ from megarl.config.schema import EngineConfig, ModelConfig
 from megarl import device
 from megarl.distributed.layout import ParallelLayout
 from megarl.engine.batch import SequenceBatch
-from megarl.engine.batching import budgeted_micro_batches, fixed_micro_batches, mini_batch_groups, token_imbalance
+from megarl.engine.batching import (
+    budgeted_micro_batches,
+    fixed_micro_batches,
+    mini_batch_groups,
+    recut_micro_batches,
+    token_imbalance,
+)
 from megarl.engine.memory import MemoryPhases
-from megarl.engine.packing import pack, response_output_rows
+from megarl.engine.packing import pack, padding_mask, response_output_rows
+from megarl.engine.routing_stats import RoutingStats
 from megarl.models.builder import MoESettings, ScheduleSettings, resolve_layer_spec
 from megarl.models.hf_interop import load_hf_model
 
@@ -53,6 +66,23 @@ class LossNormalizer:
 LossFn = Callable[[dict, SequenceBatch, LossNormalizer], tuple[torch.Tensor, dict]]
 
 
+class LossScaling:
+    """What the schedule multiplies a loss by before backward (`grad_scale_func`; for MoE models also
+    the routers' losses): the optimizer's loss scale (fp16; 1 otherwise) times `factor`
+    (`MegatronEngine.train_mini_batch`). megatron's SequentialMLP deep-copies the model config that
+    holds it; the copies share this one."""
+
+    def __init__(self):
+        self.optimizer = None
+        self.factor = 1.0
+
+    def __call__(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.optimizer.scale_loss(loss) * self.factor
+
+    def __deepcopy__(self, memo: dict) -> LossScaling:
+        return self
+
+
 class MegatronEngine:
     def __init__(
         self,
@@ -67,11 +97,12 @@ class MegatronEngine:
         `value_head` turns a causal LM checkpoint into a value model (a critic's usual start)."""
         self.layout, self.config = layout, config
         trainable = total_optimizer_steps is not None
+        self.loss_scaling = LossScaling()
         schedule = ScheduleSettings(
             variable_seq_lengths=True,  # micro-batches are padded to their own length
             calculate_per_token_loss=True,  # losses arrive globally normalised
             finalize_model_grads_func=_finalize_without_token_scaling,
-            grad_scale_func=self._scale_loss if trainable else None,
+            grad_scale_func=self.loss_scaling if trainable else None,
         )
         self.module, self.arch = load_hf_model(
             model_path or model_config.path, layout, model_config.dtype, model_config.layer_spec,
@@ -82,9 +113,11 @@ class MegatronEngine:
         self.packed = resolve_layer_spec(model_config.layer_spec) == "transformer_engine"
         # Sequence parallelism splits each micro-batch's tokens over the TP ranks.
         self.sequence_multiple = layout.tp if self.module.config.sequence_parallel else 1
-        self.optimizer = self.scheduler = None
+        self.optimizer = self.scheduler = self.routing = None
         if trainable:
             self._make_trainable(model_config, total_optimizer_steps)
+            if self.arch.is_moe:
+                self.routing = RoutingStats(self.module, self.arch.num_layers, self.arch.num_experts)
         self.memory = MemoryPhases(self.model, self.optimizer)
 
     def _make_trainable(self, model_config: ModelConfig, total_optimizer_steps: int) -> None:
@@ -108,6 +141,7 @@ class MegatronEngine:
             ),
             [self.model],
         )
+        self.loss_scaling.optimizer = self.optimizer
         if optim.lr_warmup_steps >= max(total_optimizer_steps, 1) and optim.lr_decay_style != "constant":
             raise ValueError(
                 f"actor.optim.lr_warmup_steps={optim.lr_warmup_steps} must be below the run's "
@@ -121,19 +155,31 @@ class MegatronEngine:
             wd_incr_steps=max(total_optimizer_steps, 1), wd_incr_style="constant",
         )
 
-    def _scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The optimizer's loss scaling (fp16; identity otherwise), called by the schedule before backward."""
-        return self.optimizer.scale_loss(loss)
-
     # ---- planning -------------------------------------------------------------------------------
 
-    def _micro_batches(self, batch: SequenceBatch) -> list[list[int]]:
-        """This rank's share cut into micro-batches (index lists into `batch`)."""
+    def _micro_batches(self, batch: SequenceBatch, idle: bool = False) -> list[list[int]]:
+        """This rank's share cut into micro-batches (index lists into `batch`); `idle`: a stand-in."""
         batch.validate(self.arch.max_position_embeddings)
         indices = list(range(len(batch)))
         if self.config.use_dynamic_batch_size:
-            return budgeted_micro_batches(indices, batch.sequence_lengths_B, self.config.max_token_len_per_rank)
-        return fixed_micro_batches(indices, self.config.micro_batch_size_per_rank)
+            micro = budgeted_micro_batches(indices, batch.sequence_lengths_B, self.config.max_token_len_per_rank)
+        else:
+            micro = fixed_micro_batches(indices, self.config.micro_batch_size_per_rank)
+        if self.layout.ep > 1:
+            micro = self._same_count_on_every_rank(micro, batch, idle)
+        return micro
+
+    def _same_count_on_every_rank(self, micro: list[list[int]], batch: SequenceBatch, idle: bool) -> list[list[int]]:
+        """Expert parallelism exchanges tokens between DP ranks in every MoE layer, so all DP ranks run
+        the same number of micro-batches: the most any rank has, unless a rank's share has fewer
+        sequences, then that many (ranks merge micro-batches beyond their size then). An idle rank
+        repeats its zero-weight stand-in."""
+        wanted = torch.tensor([0 if idle else len(micro), -len(batch) if not idle else -(1 << 30)])
+        dist.all_reduce(wanted, op=dist.ReduceOp.MAX, group=self.layout.dp_group)
+        count = min(int(wanted[0]), -int(wanted[1]))
+        if idle:
+            return [micro[0]] * count
+        return recut_micro_batches(micro, count, batch.sequence_lengths_B)
 
     def _run_schedule(self, batch: SequenceBatch, micro: list[list[int]], loss_func, forward_only: bool) -> list:
         micro_batches = [batch.select(indices) for indices in micro]
@@ -144,7 +190,10 @@ class MegatronEngine:
         def forward_step(data_iterator, model):
             micro_batch = next(data_iterator)
             tokens, positions, packed_seq_params = self._model_inputs(micro_batch)
-            output = model(tokens, positions, attention_mask=None, packed_seq_params=packed_seq_params)
+            # Routers leave padding out of their losses and of the expert load (dense models take no mask).
+            moe_inputs = {"padding_mask": padding_mask(micro_batch, tokens.shape[1], self.packed).to(tokens.device)
+                          } if self.arch.is_moe else {}
+            output = model(tokens, positions, attention_mask=None, packed_seq_params=packed_seq_params, **moe_inputs)
             return output, partial(loss_func, micro_batch)
 
         longest = max(mb.tokens_BT.shape[1] for mb in micro_batches)
@@ -239,14 +288,22 @@ class MegatronEngine:
         so that the rank still takes part in the gradient reduction and the optimizer's collectives."""
         assert self.optimizer is not None, "engine was built without an optimizer (inference only)"
         self.model.train()
-        micro = self._micro_batches(batch)
+        micro = self._micro_batches(batch, idle)
         weight = 0.0 if idle else 1.0
         # (response tokens, sequences, all tokens) of each DP rank's share: the loss normalizer and the balance.
         counts = weight * torch.tensor([batch.response_lengths_B.sum(), len(batch), batch.sequence_lengths_B.sum()])
         counts_per_rank = [torch.zeros(3, dtype=torch.float64) for _ in range(self.layout.dp)]
         dist.all_gather(counts_per_rank, counts.double(), group=self.layout.dp_group)
-        num_tokens, num_sequences, _ = map(int, sum(counts_per_rank))
+        num_tokens, num_sequences, num_all_tokens = map(int, sum(counts_per_rank))
         normalizer = LossNormalizer(num_tokens, num_sequences)
+        # megatron's routers hand their losses to the backward as sums over their micro-batch's tokens
+        # (its per-token-loss convention), scaled by `loss_scaling` like the main loss. Dividing both by the
+        # mini-batch's token count makes the router losses token-means over the mini-batch; the main loss,
+        # normalised already, is handed over multiplied by that count.
+        token_sum = float(num_all_tokens) if self.arch.is_moe else 1.0
+        self.loss_scaling.factor = weight / token_sum
+        if self.routing is not None:
+            self.routing.begin(weight)
         kept = []
 
         def loss_func(micro_batch, output):
@@ -255,11 +312,12 @@ class MegatronEngine:
                 kept.append({name: value.detach() for name, value in outputs.items()})
             loss, metrics = loss_fn(outputs, micro_batch, normalizer)
             reported = {"loss": loss.detach() * weight, **{k: v.detach() * weight for k, v in metrics.items()}}
-            return loss * weight, torch.tensor(int(micro_batch.response_lengths_B.sum() * weight)), reported
+            return loss * token_sum, torch.tensor(int(micro_batch.response_lengths_B.sum() * weight)), reported
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         collected = self._run_schedule(batch, micro, loss_func, forward_only=False)
+        self.loss_scaling.factor = 1.0
         outputs = self._assemble_outputs(batch, micro, kept) if keep_outputs else None
         update_successful, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
@@ -270,6 +328,8 @@ class MegatronEngine:
             update_skipped=float(not update_successful),
             dp_token_imbalance=token_imbalance([float(c[2]) for c in counts_per_rank]),
         )
+        if self.routing is not None:
+            metrics.update(self.routing.metrics(len(micro), self.layout))
         return metrics, outputs
 
     def _reduce_metrics(self, collected: list[dict]) -> dict[str, float]:

@@ -35,6 +35,14 @@ def pack(batch: SequenceBatch, multiple: int = 1) -> tuple[torch.Tensor, torch.T
     return tokens_N[None], positions_N[None], cu_seqlens
 
 
+def padding_mask(batch: SequenceBatch, width: int, packed: bool) -> torch.Tensor:
+    """(b, width) padded or (1, width) packed: True at the model input's padding tokens (megatron's
+    MoE routers leave them out of their losses)."""
+    if packed:
+        return (torch.arange(width) >= int(batch.sequence_lengths_B.sum()))[None]
+    return torch.arange(width)[None] >= batch.sequence_lengths_B[:, None]
+
+
 def response_output_rows(batch: SequenceBatch, packed: bool) -> torch.Tensor:
     """(b * R,) rows of the flattened model output, (b*T, ...) padded or (N, ...) packed, that predict
     each response token; padded response columns repeat the sequence's last real row."""

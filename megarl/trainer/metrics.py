@@ -3,6 +3,7 @@
     reward/*, response_length/*, rollout/filter_rounds   the step's rollouts and their scores
     sync/*                                               the weight sync into the rollout engine
     actor/*, critic/*                                    the mean over an update's optimizer steps
+                                                         (with actor/moe/*: expert load, router losses)
     mismatch/*                                           trainer vs. rollout engine log-probs
     rollout/entropy, throughput/tokens_per_s             the scored batch and the step's time
 
@@ -107,6 +108,7 @@ def sync_metrics(sync: SyncStats | None) -> dict[str, float]:
 
 
 def update_metrics(prefix: str, history: list[dict[str, float]]) -> dict[str, float]:
-    """Each metric of an update averaged over its optimizer steps; bare names get `prefix/`."""
-    return {key if "/" in key else f"{prefix}/{key}": mean(h[key] for h in history)
+    """Each metric of an update averaged over its optimizer steps, named `prefix/...` (the engine's own,
+    e.g. `grad_norm` or `moe/z_loss`, get the prefix; the loss function's carry it already)."""
+    return {key if key.startswith(f"{prefix}/") else f"{prefix}/{key}": mean(h[key] for h in history)
             for key in (history[0] if history else ())}

@@ -4,6 +4,10 @@ At every layout: log-probs and entropy (temperature 0.7) and critic values equal
 (<= 1e-4), and one AdamW step of a fixed loss (with grad clipping) gives the same weights as at TP1
 (<= 1e-5). PP2 and DP2 use token-budget micro-batches and TP2 recomputes activations; neither may
 change the update. DP2 also trains a bf16 copy of the policy for a few steps beside the fp32 one.
+
+A tiny Qwen3-MoE is trained at EP1 and EP2 in one 2-process world (`moe_engine_checks.py`): its step,
+router losses included, equals `transformers` and EP1, its routing metrics equal a count of HF's
+routing, and an EP2 checkpoint resumes exactly.
 """
 
 from __future__ import annotations
@@ -99,3 +103,75 @@ def test_bf16_accumulates_gradients_in_fp32_and_tracks_fp32_losses(layout_run):
     # bf16 rounds weights and activations at 2**-8 (~4e-3 relative); a loss averaged over ~100 tokens
     # lands within ~1e-3 of fp32 (seen: <= 2e-3 after three steps); 1e-2 allows the steps to drift.
     assert bf16 == pytest.approx(fp32, rel=1e-2)
+
+
+# ---- mixture of experts: EP2 against EP1 and `transformers`, resume, router losses and expert load ----
+
+MOE_SCRIPT = ROOT / "tests/distributed/scripts/moe_engine_checks.py"
+
+
+@pytest.fixture(scope="module")
+def moe_run(tiny_models, tmp_path_factory):
+    out = tmp_path_factory.mktemp("moe")
+    result = torchrun(2, MOE_SCRIPT, "--policy", tiny_models["qwen3-moe"], "--out", out)
+    assert_succeeded(result)
+    line = next(line for line in result.stdout.splitlines() if line.startswith("REPORT "))
+    return json.loads(line.removeprefix("REPORT ")), out
+
+
+def _per_layer(metrics, name, num_layers):
+    return [metrics[f"moe/layer{layer}/{name}"] for layer in range(num_layers)]
+
+
+def test_moe_step_at_ep2_equals_ep1_and_transformers_with_router_losses_in_the_backward_only(moe_run):
+    report, out = moe_run
+    reference = report["reference"]
+    for ep in ("ep1", "ep2"):
+        step = report[ep]
+        assert step["score_diff"] <= 1e-4 and step["uneven_score_diff"] <= 1e-4
+        # The reported loss is the policy loss alone; the gradient also holds the router losses.
+        assert step["loss"] == pytest.approx(reference["loss"], abs=1e-5)
+        assert step["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-4)
+        assert step["grad_norm"] > 1.0 and step["update_skipped"] == 0.0  # clipped
+    assert report["ep2"]["loss"] == pytest.approx(report["ep1"]["loss"], abs=1e-6)
+    assert report["ep2"]["grad_norm"] == pytest.approx(report["ep1"]["grad_norm"], rel=1e-5)
+    # A DP rank sitting a step out adds nothing, its router losses included, at either EP.
+    idle1, idle2 = report["ep1"]["idle_step"], report["ep2"]["idle_step"]
+    assert idle2["loss"] == pytest.approx(idle1["loss"], abs=1e-6)
+    assert idle2["grad_norm"] == pytest.approx(idle1["grad_norm"], rel=1e-5)
+    ep1, ep2 = _weights(out / "ep1"), _weights(out / "ep2")
+    assert ep1.keys() == ep2.keys() and any(".experts." in name for name in ep1)
+    for name, tensor in ep1.items():
+        assert torch.allclose(ep2[name], tensor, atol=1e-5, rtol=0), name
+
+
+def test_moe_router_loss_and_expert_load_metrics_match_transformers_routing(moe_run):
+    report, _ = moe_run
+    reference = report["reference"]
+    tokens_LE = torch.tensor(reference["tokens_LE"])
+    num_layers = len(tokens_LE)
+    for ep in ("ep1", "ep2"):
+        step = report[ep]
+        assert _per_layer(step, "tokens_per_expert_max", num_layers) == tokens_LE.max(1).values.tolist()
+        assert _per_layer(step, "tokens_per_expert_mean", num_layers) == pytest.approx(tokens_LE.mean(1).tolist())
+        for name in ("load_balancing_loss", "z_loss"):
+            assert _per_layer(step, name, num_layers) == pytest.approx(reference[name], rel=1e-5)
+            assert step[f"moe/{name}"] == pytest.approx(sum(reference[name]) / num_layers, rel=1e-5)
+        ratio = (tokens_LE.max(1).values / tokens_LE.mean(1)).max()
+        assert step["moe/load_max_over_mean"] == pytest.approx(float(ratio)) and ratio > 1
+
+
+def test_moe_resumes_exactly_at_ep2(moe_run):
+    report, _ = moe_run
+    step3, resumed = report["step3"], report["step3_resumed_ep2"]
+    assert resumed["loss"] == step3["loss"] and resumed["grad_norm"] == step3["grad_norm"]
+    assert report["weights_diff_resumed_ep2"] == 0.0
+    assert step3["loss"] < report["ep2"]["loss"]  # step 3 starts from the trained weights
+
+
+def test_aux_loss_free_expert_bias_moves_towards_equal_load(moe_run):
+    report, _ = moe_run
+    tokens_LE = torch.tensor(report["reference"]["tokens_LE"])
+    # megatron's update: bias += rate * sign(mean load - expert load), from the step's global counts
+    expected = 1e-3 * torch.sign(tokens_LE.mean(1, keepdim=True) - tokens_LE)
+    assert torch.equal(torch.tensor(report["expert_bias_LE"]), expected)

@@ -13,6 +13,7 @@ from megarl.engine.batching import (
     fixed_micro_batches,
     mini_batch_groups,
     owned_groups,
+    recut_micro_batches,
     token_imbalance,
 )
 
@@ -47,6 +48,15 @@ def test_lpt_split_by_hand():
     # Ranks still empty take the next item, however light the loaded ones are.
     assert balance_over_data_parallel([5, 1, 1], 3) == [[0], [1], [2]]
     assert fixed_micro_batches([0, 1, 2, 3, 4], 2) == [[0, 1], [2, 3], [4]]
+
+
+def test_recut_to_a_common_micro_batch_count_splits_the_heaviest_or_merges_the_lightest_by_hand():
+    lengths = torch.tensor([10, 50, 20, 5, 40])
+    # 80 tokens in [0, 1, 2] split into [0] and [1, 2]; then [1, 2] (70) into [1] and [2].
+    assert recut_micro_batches([[0, 1, 2], [3, 4]], 4, lengths) == [[3, 4], [0], [1], [2]]
+    # the two lightest, [3] (5) and [0] (10), merge.
+    assert recut_micro_batches([[0], [1], [2], [3], [4]], 4, lengths) == [[1], [2], [4], [0, 3]]
+    assert recut_micro_batches([[0, 1]], 1, lengths) == [[0, 1]]
 
 
 def test_mini_batches_hold_whole_groups_in_a_seeded_order_and_each_is_balanced_over_dp():

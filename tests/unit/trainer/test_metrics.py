@@ -47,8 +47,8 @@ def test_sync_update_and_batch_metrics_by_hand():
     sync = SyncStats(seconds=0.5, load_seconds=0.1, bytes_received=300, bytes_sent=0, lower_bound=200,
                      peak_extra_bytes=0)
     assert sync_metrics(sync) == {"sync/seconds": 0.5, "sync/bytes_received": 300.0, "sync/bytes_over_lower_bound": 1.5}
-    history = [{"pg_loss": 1.0, "mismatch/x": 2.0}, {"pg_loss": 3.0, "mismatch/x": 4.0}]
-    assert update_metrics("actor", history) == {"actor/pg_loss": 2.0, "mismatch/x": 3.0}
+    history = [{"pg_loss": 1.0, "actor/x": 2.0, "moe/z_loss": 0.5}, {"pg_loss": 3.0, "actor/x": 4.0, "moe/z_loss": 1.5}]
+    assert update_metrics("actor", history) == {"actor/pg_loss": 2.0, "actor/x": 3.0, "actor/moe/z_loss": 1.0}
     assert update_metrics("critic", []) == {}
     _, batch = _rollouts()
     entropy_BR = torch.tensor([[1.0, 9.0, 9.0], [2.0, 2.0, 2.0], [4.0, 4.0, 9.0]])  # 9s sit in the padding

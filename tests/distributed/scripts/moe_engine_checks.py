@@ -1,0 +1,183 @@
+"""A tiny MoE policy trained at EP1 and EP2 in one 2-process world (DP2 both times), against `transformers`.
+
+Phases, each after `init_layout` at its EP size:
+1. EP1, then EP2: score the batch (vs `transformers`), one AdamW step with the load-balancing loss and
+   the z-loss on, exported to HF. Reported: the step's metrics and the scores' difference.
+   Before the step, scoring of uneven shares (DP ranks with 2 and 3 micro-batches); after it, a step
+   that DP rank 1 sits out (its zero-weight stand-in repeated: expert parallelism needs equal
+   micro-batch counts).
+2. EP2: a checkpoint after those two steps, then step 3; a fresh engine loads the checkpoint and takes
+   step 3 again (exact resume).
+3. EP2 with aux-loss-free balancing: the expert bias after one step.
+
+The reference (every rank, whole batch) is a `transformers` forward and backward of the same loss
+written out by hand: the policy loss normalised by the batch's response tokens, plus each
+micro-batch's router losses (megatron's definitions, computed from HF's router logits) weighted by
+its share of the batch's tokens. It gives the gradient norm, the router-loss values, the tokens per
+expert and the expert bias the engine must reproduce.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+from megarl.checkpoint import Checkpointer
+from megarl.config.schema import EngineConfig, ModelConfig, MoEConfig, OptimizerConfig
+from megarl.distributed import init_layout
+from megarl.engine.batch import SequenceBatch
+from megarl.engine.batching import balance_over_data_parallel, fixed_micro_batches
+from megarl.engine.megatron_engine import MegatronEngine
+from megarl.models.hf_interop import export_hf
+
+
+TEMPERATURE, AUX, Z, BIAS_RATE = 0.7, 0.1, 0.01, 1e-3  # BIAS_RATE: megatron's default update rate
+MICRO_BATCH = 2
+generator = torch.Generator().manual_seed(0)
+prompt_lengths = torch.tensor([5, 3, 8, 4, 6, 2, 7, 3])
+response_lengths = torch.tensor([10, 12, 6, 15, 1, 9, 4, 13])
+lengths = prompt_lengths + response_lengths
+tokens = torch.randint(5, 100, (8, 24), generator=generator)
+engine_config = EngineConfig(micro_batch_size_per_rank=MICRO_BATCH,
+                             optim=OptimizerConfig(lr=1e-3, adam_eps=1e-6, clip_grad=1.0, weight_decay=0.01))
+moe_losses = MoEConfig(aux_loss_coeff=AUX, z_loss_coeff=Z)
+
+
+def shares(dp):
+    return balance_over_data_parallel(lengths.tolist(), dp)
+
+
+def policy_loss(outputs, micro_batch, normalizer):
+    mask = micro_batch.response_mask_BR.to(outputs["logprobs"].device)
+    entropy = (outputs["entropy"] * mask).sum() / normalizer.num_tokens
+    nll = -(outputs["logprobs"] * mask).sum() / normalizer.num_tokens
+    return nll - 0.01 * entropy, {"entropy": entropy}
+
+
+def reference(model_dir, dp):
+    """`transformers`: the step's policy loss, gradient norm, per-layer router losses (means over the
+    micro-batches) and tokens per expert."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    num_layers, num_experts, topk = (model.config.num_hidden_layers, model.config.num_experts,
+                                     model.config.num_experts_per_tok)
+    num_response, num_all = int(response_lengths.sum()), int(lengths.sum())
+    main, routers = torch.zeros(()), torch.zeros(())
+    aux_LM, z_LM, tokens_LE = [], [], torch.zeros(num_layers, num_experts)
+    for share in shares(dp):
+        for micro in fixed_micro_batches(list(range(len(share))), MICRO_BATCH):
+            logits_per_layer = [[] for _ in range(num_layers)]
+            for i in (share[k] for k in micro):
+                length, start = int(lengths[i]), int(prompt_lengths[i])
+                result = model(tokens[i : i + 1, :length], output_router_logits=True)
+                log_p = torch.log_softmax(result.logits[0, start - 1 : length - 1] / TEMPERATURE, dim=-1)
+                logprobs = log_p.gather(1, tokens[i, start:length, None]).squeeze(1)
+                entropy = -(log_p.exp() * log_p).sum(-1)
+                main = main + (-logprobs.sum() - 0.01 * entropy.sum()) / num_response
+                for layer, router_logits in enumerate(result.router_logits):
+                    logits_per_layer[layer].append(router_logits.view(length, num_experts))
+            aux_L, z_L = [], []
+            for layer, parts in enumerate(logits_per_layer):
+                logits_NE = torch.cat(parts)
+                n = logits_NE.shape[0]
+                scores_NE = torch.softmax(logits_NE, dim=-1)
+                routed_NE = torch.zeros_like(scores_NE).scatter(1, scores_NE.topk(topk, dim=1).indices, 1.0)
+                tokens_LE[layer] += routed_NE.sum(0)
+                # megatron's switch_load_balancing_loss_func and z_loss_func, without their coefficients
+                aux_L.append(num_experts / (topk * n * n) * (scores_NE.sum(0) * routed_NE.sum(0)).sum())
+                z_L.append(torch.logsumexp(logits_NE, dim=-1).square().mean())
+            share_of_tokens = n / num_all
+            routers = routers + share_of_tokens * (AUX * torch.stack(aux_L).sum() + Z * torch.stack(z_L).sum())
+            aux_LM.append(torch.stack(aux_L).detach())
+            z_LM.append(torch.stack(z_L).detach())
+    (main + routers).backward()
+    grad_norm = torch.sqrt(sum(p.grad.double().square().sum() for p in model.parameters() if p.grad is not None))
+    return {"loss": float(main), "grad_norm": float(grad_norm), "load_balancing_loss": torch.stack(aux_LM, 1).mean(1),
+            "z_loss": torch.stack(z_LM, 1).mean(1), "tokens_LE": tokens_LE}
+
+
+def hf_scores(model_dir):
+    """(8, R) log-probs at TEMPERATURE from a `transformers` forward on each sequence."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    logprobs = torch.zeros(8, int(response_lengths.max()))
+    with torch.no_grad():
+        for i in range(8):
+            length, start = int(lengths[i]), int(prompt_lengths[i])
+            log_p = torch.log_softmax(model(tokens[i : i + 1, :length]).logits[0, start - 1 : length - 1] / TEMPERATURE, -1)
+            logprobs[i, : length - start] = log_p.gather(1, tokens[i, start:length, None]).squeeze(1)
+    return logprobs
+
+
+def worst(value: float) -> float:
+    """The largest `value` over all ranks."""
+    box = torch.tensor(value)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    return float(box)
+
+
+def weights_diff(a, b) -> float:
+    return worst(max(float((p - q).abs().max()) for p, q in zip(a.module.parameters(), b.module.parameters())))
+
+
+def local_batch(layout):
+    share = shares(layout.dp)[layout.dp_rank]
+    return share, SequenceBatch(tokens, prompt_lengths, response_lengths).select(share)
+
+
+def engine(layout, policy, moe=moe_losses):
+    return MegatronEngine(layout, ModelConfig(path=policy, moe=moe), engine_config, total_optimizer_steps=10)
+
+
+def main():
+    """The phases; a function so that checkpoint writers, which re-import this module, run nothing."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--policy", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    out = Path(args.out)
+    report = {}
+    expected = hf_scores(args.policy)
+    everything = SequenceBatch(tokens, prompt_lengths, response_lengths)
+    for ep in (1, 2):
+        layout = init_layout(ep=ep)
+        share, batch = local_batch(layout)
+        policy = engine(layout, args.policy)
+        scores = policy.score(batch, temperature=TEMPERATURE)["logprobs"]
+        score_diff = worst(float((scores - expected[share, : scores.shape[1]]).abs().max()))
+        # Uneven shares: DP ranks with 2 and 3 micro-batches.
+        uneven = [0, 1, 2] if layout.dp_rank == 0 else [3, 4, 5, 6, 7]
+        scores = policy.score(everything.select(uneven), temperature=TEMPERATURE)["logprobs"]
+        uneven_diff = worst(float((scores - expected[uneven, : scores.shape[1]]).abs().max()))
+        metrics, _ = policy.train_mini_batch(batch, policy_loss, temperature=TEMPERATURE)
+        export_hf(policy.module, policy.arch, layout, str(out / f"ep{ep}"), args.policy)
+        report[f"ep{ep}"] = dict(metrics, score_diff=score_diff, uneven_score_diff=uneven_diff)
+        # A step that DP rank 1 sits out with a stand-in.
+        report[f"ep{ep}"]["idle_step"], _ = policy.train_mini_batch(everything.select(uneven[:3]), policy_loss,
+                                                                    temperature=TEMPERATURE, idle=layout.dp_rank == 1)
+
+    # Phase 2 (EP2): checkpoint after two steps, then step 3; resumed, step 3 again.
+    checkpointer = Checkpointer(out / "checkpoints", args.policy, Path(args.policy) / "config.json", max_to_keep=0)
+    checkpointer.save(2, {"actor": policy}, {})
+    report["step3"], _ = policy.train_mini_batch(batch, policy_loss, temperature=TEMPERATURE)
+    resumed = engine(layout, args.policy)
+    checkpointer.load(out / "checkpoints/global_step_2", {"actor": resumed})
+    report["step3_resumed_ep2"], _ = resumed.train_mini_batch(batch, policy_loss, temperature=TEMPERATURE)
+    report["weights_diff_resumed_ep2"] = weights_diff(policy, resumed)
+
+    # Phase 3 (EP2): aux-loss-free balancing moves each expert's bias by the update rate towards equal loads.
+    balanced = engine(layout, args.policy, MoEConfig(expert_bias=True))
+    report["bias_step"], _ = balanced.train_mini_batch(batch, policy_loss, temperature=TEMPERATURE)
+    report["expert_bias_LE"] = [router.expert_bias.tolist() for router in balanced.routing.routers]
+
+    reference_step = reference(args.policy, layout.dp)
+    report["reference"] = {name: value.tolist() if torch.is_tensor(value) else value
+                           for name, value in reference_step.items()}
+    if dist.get_rank() == 0:
+        print("REPORT " + json.dumps(report), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
