@@ -16,6 +16,7 @@ state is saved per model parameter (`optimizer_state`), so it reshards over TP, 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import random
 import shutil
 from pathlib import Path
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
@@ -97,6 +99,17 @@ def one_after_another(requests: list[AsyncRequest]) -> AsyncRequest:
     return AsyncRequest(write_in_turn, (), [fn for request in requests for fn in request.finalize_fns])
 
 
+def start_writer_results_queue() -> None:
+    """Start the queue megatron's shard writers report their results through, in a forked process.
+
+    Megatron starts it on a process's first save, served by a multiprocessing manager it starts with
+    the "spawn" method: a new interpreter that imports the launcher's whole `__main__` (torch,
+    megatron-core, vLLM, transformers) before it serves, 8 s of every run's first save on a 2-core
+    CPU host. A forked manager serves the same queue at once."""
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+
+
 class Checkpointer:
     def __init__(self, root: Path, hf_source: str, config_file: Path, max_to_keep: int, async_save: bool = False):
         self.root, self.hf_source, self.config_file, self.max_to_keep = root, Path(hf_source), config_file, max_to_keep
@@ -133,6 +146,7 @@ class Checkpointer:
         the checkpoint is published when they finish (checked at every `poll`); only one save is
         in flight at a time. Everything the checkpoint records is captured now, at `step`."""
         self.wait()
+        start_writer_results_queue()
         rank, world_size = dist.get_rank(), dist.get_world_size()
         staging = begin(self.root, step, [*engines, "rng"])
         for name, engine in engines.items():
