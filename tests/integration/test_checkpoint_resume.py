@@ -3,12 +3,12 @@
 A crash is a SIGKILL of every process of the job: torchrun's agent, its workers (which torch elastic
 starts in sessions of their own, out of reach of `killpg`) and their checkpoint writers. Jobs are
 killed at chosen moments (during a rollout, an actor update, a save, an asynchronous save; the
-trainer logs the start of each phase at debug level), then `resume_mode=auto` continues from the
+trainer logs the start of each phase at debug level); the kill during the rollout is of the agent
+alone, whose workers must die with it. Then `resume_mode=auto` continues from the
 newest complete checkpoint. The resumed job must train exactly the steps after that checkpoint and
 log every metric bitwise equal to an uninterrupted run (CPU: the same kernels on the same bytes),
 for GRPO at DP2 and for PPO with a critic at TP2, and its Adam state must count one step per
-optimizer step taken. Checkpoints are layout-independent (DP2 -> TP2, DP2 -> PP2, TP2 -> PP2), and
-workers die with their agent.
+optimizer step taken. Checkpoints are layout-independent (DP2 -> TP2, DP2 -> PP2, TP2 -> PP2).
 """
 
 from __future__ import annotations
@@ -123,6 +123,23 @@ class Launch:
         _, alive = psutil.wait_procs(frozen, timeout=10)
         assert not alive, alive
 
+    def kill_agent(self, checkpoints: Path) -> None:
+        """SIGKILL of torchrun's agent alone: its workers (its children) must die with it and write no
+        checkpoint after. Every process below the agent is killed afterwards."""
+        workers, everything = psutil.Process(self.agent.pid).children(), self.processes()[1:]
+        assert len(workers) >= 2
+        before = sorted(checkpoints.glob("*global_step_*"))
+        try:
+            os.kill(self.agent.pid, signal.SIGKILL)
+            self.agent.wait()
+            _, alive = psutil.wait_procs(workers, timeout=5)
+            assert not alive, f"outlived their agent: {[p.cmdline()[-3:] for p in alive]}"
+            time.sleep(3)
+            assert sorted(checkpoints.glob("*global_step_*")) == before
+        finally:
+            for process in everything:
+                _ignore_gone(process.kill)
+
 
 def _ignore_gone(call):
     try:
@@ -222,19 +239,20 @@ def test_every_published_checkpoint_holds_what_its_index_says(uninterrupted, nam
             assert not _misplaced_tensors(checkpoints / f"global_step_{step}" / engine), (step, engine)
 
 
-def _kill_moments(name: str, checkpoints: Path) -> list:
-    """GRPO-DP2 is killed during a rollout, then during a save; PPO-TP2 during an actor update,
-    then during an asynchronous save (its shards still being written while the next step trains)."""
+def _kills(name: str, checkpoints: Path) -> list:
+    """When and how each launch dies: GRPO-DP2 loses its agent during a rollout, then crashes during
+    a save; PPO-TP2 crashes during an actor update, then during an asynchronous save (its shards still
+    being written while the next step trains)."""
     if name == "grpo_dp2":
-        return [lambda launch: launch.phase_began(2, "rollout"),
-                lambda launch: (checkpoints / ".global_step_3.partial").is_dir()]
+        return [(lambda launch: launch.phase_began(2, "rollout"), lambda launch: launch.kill_agent(checkpoints)),
+                (lambda launch: (checkpoints / ".global_step_3.partial").is_dir(), Launch.crash)]
 
     def async_save_in_flight(launch):
         saving = [int(re.sub(r"\D", "", path.name)) for path in checkpoints.glob(".global_step_*.partial")]
         return any(launch.phase_began(step + 1, "rollout") for step in saving)
 
     # Step 3: the save of step 2 waited for that of step 1, so there is a checkpoint to resume from.
-    return [lambda launch: launch.phase_began(3, "update_actor"), async_save_in_flight]
+    return [(lambda launch: launch.phase_began(3, "update_actor"), Launch.crash), (async_save_in_flight, Launch.crash)]
 
 
 @pytest.mark.parametrize("name", JOBS)
@@ -243,9 +261,9 @@ def test_a_job_killed_twice_resumes_bitwise(tiny_models, arithmetic, tmp_path, u
     args = _args(job, tiny_models["qwen2-tied"], arithmetic, tmp_path)
     checkpoints = _checkpoints(tmp_path, job)
     launch, loaded = Launch(tmp_path, args), None
-    for moment in _kill_moments(name, checkpoints):
+    for moment, kill in _kills(name, checkpoints):
         launch.wait_for(lambda: moment(launch))
-        launch.crash()
+        kill(launch)
         if loaded is not None:
             _assert_resumed(launch, loaded, finished=False)
         loaded = _latest_step(tmp_path, job)
@@ -279,21 +297,3 @@ def test_a_checkpoint_resumes_at_another_layout(tiny_models, arithmetic, tmp_pat
                                                                            job.engines else ())):
         for step, value in reference[metric].items():
             assert resumed[metric][step] == pytest.approx(value, abs=1e-4), (metric, step)
-
-
-def test_workers_die_with_their_agent(tiny_models, arithmetic, tmp_path):
-    job = JOBS["grpo_dp2"]
-    launch = Launch(tmp_path, _args(job, tiny_models["qwen2-tied"], arithmetic, tmp_path))
-    launch.wait_for(lambda: launch.phase_began(1, "rollout"))
-    workers = launch.processes()[1:]
-    assert len(workers) >= 2
-    try:
-        os.kill(launch.agent.pid, signal.SIGKILL)
-        launch.agent.wait()
-        _, alive = psutil.wait_procs(workers, timeout=5)
-        assert not alive, f"outlived their agent: {[p.cmdline()[-3:] for p in alive]}"
-        time.sleep(3)
-        assert not list(_checkpoints(tmp_path, job).glob("*global_step_*"))
-    finally:
-        for process in workers:
-            _ignore_gone(process.kill)
