@@ -19,6 +19,7 @@ import json
 import multiprocessing
 import random
 import shutil
+from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +45,7 @@ from megarl.checkpoint.optimizer_state import (
     sharded_optimizer_state,
 )
 from megarl.checkpoint.staging import begin, finish
+from megarl.distributed.process import exit_with_parent
 
 
 def sharded_state(engine, is_loading: bool) -> dict:
@@ -105,9 +107,12 @@ def start_writer_results_queue() -> None:
     Megatron starts it on a process's first save, served by a multiprocessing manager it starts with
     the "spawn" method: a new interpreter that imports the launcher's whole `__main__` (torch,
     megatron-core, vLLM, transformers) before it serves, 8 s of every run's first save on a 2-core
-    CPU host. A forked manager serves the same queue at once."""
+    CPU host. A forked manager serves the same queue at once, and dies with this process when it is
+    killed (`exit_with_parent`), as a job's processes must."""
     if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+        manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+        manager.start(initializer=exit_with_parent)
+        filesystem_async._results_queue = manager.Queue()
 
 
 class Checkpointer:

@@ -125,7 +125,8 @@ class Launch:
 
     def kill_agent(self, checkpoints: Path) -> None:
         """SIGKILL of torchrun's agent alone: its workers (its children) must die with it and write no
-        checkpoint after. Every process below the agent is killed afterwards."""
+        checkpoint after, and every process below them must end too (a checkpoint writer once its
+        write is done). Every process below the agent is killed afterwards."""
         workers, everything = psutil.Process(self.agent.pid).children(), self.processes()[1:]
         assert len(workers) >= 2
         before = sorted(checkpoints.glob("*global_step_*"))
@@ -134,7 +135,8 @@ class Launch:
             self.agent.wait()
             _, alive = psutil.wait_procs(workers, timeout=5)
             assert not alive, f"outlived their agent: {[p.cmdline()[-3:] for p in alive]}"
-            time.sleep(3)
+            _, alive = psutil.wait_procs(everything, timeout=10)
+            assert not alive, f"outlived their workers: {[p.cmdline()[-3:] for p in alive]}"
             assert sorted(checkpoints.glob("*global_step_*")) == before
         finally:
             for process in everything:
