@@ -1,7 +1,7 @@
 """Bridges megatron-core's CUDA assumptions so that it runs on CPU over gloo.
 
 Applied only when `megarl.device` says CUDA is absent (`apply_cpu_compat` is a no-op otherwise).
-megatron-core 0.16 assumes a GPU (or Transformer Engine) in ten places; each is bridged by one
+megatron-core 0.16 assumes a GPU (or Transformer Engine) in eleven places; each is bridged by one
 named `Bridge` below, so a test can leave one out and watch the megatron code path it guards fail:
 
 1. `current_device`: `torch.cuda.current_device()` used as the device of buffers (the global
@@ -18,11 +18,12 @@ named `Bridge` below, so a test can leave one out and watch the megatron code pa
    (`fully_reshardable`) form all-gathers it over DP after `Tensor.cuda()`.
 9. `te_general_gemm`: the MoE router's gating GEMM tests `te_general_gemm is not None`, a name
    that `moe_utils` defines only when Transformer Engine imports.
-10. `alltoall_host_copies`: the alltoall token dispatcher copies its token counts to the host on
-   a side `torch.cuda.Stream`, waits on an event recorded there, and hands the split sizes to
-   `all_to_all_single` as the numpy arrays that copy made. On CPU the counts already live on the
-   host: the stream and event do nothing, and the "copy" still makes the numpy arrays (gloo
-   rejects tensors as split sizes).
+10. `alltoall_streams`: the alltoall token dispatcher copies its token counts to the host on a
+   side `torch.cuda.Stream` and waits on an event recorded there; on CPU the counts already live
+   on the host, and the stream and event do nothing.
+11. `alltoall_split_sizes`: that copy (`maybe_move_tensor_to_cpu`) is what turns the split sizes
+   into the numpy arrays `all_to_all_single` takes; it skips host tensors, whose split sizes would
+   reach gloo as tensors, which it rejects. On CPU the "copy" still makes the numpy arrays.
 
 How: megatron modules get a *view* of `torch` as their module global `torch`; the view forwards
 everything to the real module, except the attributes a bridge sets on it. Nothing outside
@@ -228,11 +229,14 @@ class _HostStream:
         return _HostEvent()
 
 
-def _apply_alltoall_host_copies(view):
+def _apply_alltoall_streams(view):
     host_stream = _HostStream()
     view.cuda.Stream = lambda *args, **kwargs: _HostStream()
     view.cuda.current_stream = lambda device=None: host_stream
     view.cuda.stream = lambda stream: contextlib.nullcontext()
+
+
+def _apply_alltoall_split_sizes(view):
     sys.modules["megatron.core.transformer.moe.token_dispatcher"].maybe_move_tensor_to_cpu = _host_copy
 
 
@@ -248,8 +252,10 @@ BRIDGES = (
            _apply_optimizer_gather_cuda),
     Bridge("te_general_gemm", "MoE router gating reads te_general_gemm, undefined without TE", _apply_te_general_gemm,
            symptom="te_general_gemm"),
-    Bridge("alltoall_host_copies", "alltoall token dispatcher copies counts to the host on a CUDA stream",
-           _apply_alltoall_host_copies),
+    Bridge("alltoall_streams", "alltoall token dispatcher copies counts to the host on a CUDA stream",
+           _apply_alltoall_streams),
+    Bridge("alltoall_split_sizes", "alltoall split sizes become numpy arrays only by a device-to-host copy",
+           _apply_alltoall_split_sizes, symptom="all_to_all_single"),
 )
 
 

@@ -10,17 +10,21 @@ from tests.conftest import ROOT, assert_succeeded, torchrun
 SCRIPT = ROOT / "tests/distributed/scripts/cpu_compat_scenarios.py"
 
 
-def test_every_scenario_passes_with_all_bridges(tiny_models):
-    result = torchrun(2, SCRIPT, "--hf", tiny_models["qwen2-tied"])
+def _models(tiny_models, tiny_moe_models):
+    return "--hf", tiny_models["qwen2-tied"], "--moe", tiny_moe_models["qwen2-moe"]
+
+
+def test_every_scenario_passes_with_all_bridges(tiny_models, tiny_moe_models):
+    result = torchrun(2, SCRIPT, *_models(tiny_models, tiny_moe_models))
     assert_succeeded(result)
     for bridge in BRIDGES:
         assert f"PASS {bridge.name}" in result.stdout
 
 
-@pytest.mark.parametrize("bridge", [b.name for b in BRIDGES])
-def test_scenario_fails_without_its_bridge(tiny_models, bridge):
-    result = torchrun(2, SCRIPT, "--hf", tiny_models["qwen2-tied"], "--skip", bridge, timeout=120)
+@pytest.mark.parametrize("bridge", BRIDGES, ids=[b.name for b in BRIDGES])
+def test_scenario_fails_without_its_bridge(tiny_models, tiny_moe_models, bridge):
+    result = torchrun(2, SCRIPT, *_models(tiny_models, tiny_moe_models), "--skip", bridge.name, timeout=120)
     assert result.returncode != 0
-    errors = [line for line in result.stdout.splitlines() if line.startswith(f"ERROR {bridge}:")]
+    errors = [line for line in result.stdout.splitlines() if line.startswith(f"ERROR {bridge.name}:")]
     assert errors, result.stdout + result.stderr[-3000:]
-    assert "cuda" in errors[0].lower(), errors[0]
+    assert bridge.symptom in errors[0].lower(), errors[0]

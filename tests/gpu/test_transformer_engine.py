@@ -24,3 +24,14 @@ def test_transformer_engine_logits_match_transformers(tiny_models, tp):
                       "--tp", tp, "--layer-spec", "transformer_engine", "--dtype", "bfloat16", "--tolerance", "1e-1")
     assert_succeeded(result)
     assert len(re.findall(r"^OK ", result.stdout, re.MULTILINE)) == len(TINY_MODELS)
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_transformer_engine_moe_logits_match_transformers(tiny_moe_models, ep):
+    """The MoE models on TE's grouped-GEMM experts (weight<i> per local expert), at EP1 and EP2."""
+    if torch.cuda.device_count() < ep:
+        pytest.skip(f"needs {ep} GPUs")
+    result = torchrun(ep, ROOT / "checkpoints_tools/compare_logits.py", "--hf", *tiny_moe_models.values(),
+                      "--ep", ep, "--layer-spec", "transformer_engine", "--dtype", "bfloat16", "--tolerance", "1e-1")
+    assert_succeeded(result)
+    assert len(re.findall(r"^OK ", result.stdout, re.MULTILINE)) == len(tiny_moe_models)

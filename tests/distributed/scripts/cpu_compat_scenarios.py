@@ -1,6 +1,6 @@
 """Megatron code paths that each CPU bridge guards, run in a 2-process gloo world.
 
-    torchrun --nproc_per_node=2 cpu_compat_scenarios.py --hf DIR [--skip BRIDGE]
+    torchrun --nproc_per_node=2 cpu_compat_scenarios.py --hf DIR --moe DIR [--skip BRIDGE]
 
 With every bridge applied all scenarios must pass; with `--skip B` the scenario of bridge B must
 fail (that is what makes the bridge necessary). Prints `PASS <scenario>` or `ERROR <scenario>: ...`.
@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--hf", required=True, help="a tiny tied HF model")
+parser.add_argument("--moe", required=True, help="a tiny mixture-of-experts HF model")
 parser.add_argument("--skip", default=None, help="leave this bridge out and run only its scenario")
 args = parser.parse_args()
 
@@ -31,9 +32,10 @@ from megarl.checkpoint.optimizer_state import initialize_optimizer_state, sharde
 from megarl.distributed import init_layout  # noqa: E402
 from megarl.engine.forward import forward_outputs  # noqa: E402
 from megarl.models.architecture import architecture_from_hf, read_hf_config  # noqa: E402
-from megarl.models.builder import build_model  # noqa: E402
+from megarl.models.builder import MoESettings, build_model  # noqa: E402
 
 arch = architecture_from_hf(read_hf_config(args.hf))
+moe_arch = architecture_from_hf(read_hf_config(args.moe))
 tokens_BT = torch.randint(0, arch.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
 
 
@@ -98,8 +100,39 @@ def optimizer_gather_cuda():
     assert set(gathered.unique().tolist()) == {1.0, 2.0}
 
 
+def moe_forward_backward(model, layout):
+    """Logits of this rank's batch (each EP rank its own) and the gradients of their sum."""
+    tokens = tokens_BT + layout.ep_rank  # EP ranks route different tokens to each other's experts
+    logits = model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), attention_mask=None)
+    logits.sum().backward()
+    return logits.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def te_general_gemm():
+    layout = init_layout(ep=2)
+    moe_forward_backward(build_model(moe_arch, layout, moe=MoESettings(token_dispatcher="allgather")), layout)
+
+
+def alltoall_streams():
+    layout = init_layout(ep=2)
+    build_model(moe_arch, layout, moe=MoESettings(token_dispatcher="alltoall"))  # creates its stream
+
+
+def alltoall_split_sizes():
+    layout = init_layout(ep=2)
+    allgather = build_model(moe_arch, layout, moe=MoESettings(token_dispatcher="allgather"))
+    alltoall = build_model(moe_arch, layout, moe=MoESettings(token_dispatcher="alltoall"))
+    alltoall.load_state_dict(allgather.state_dict())
+    # Both dispatchers compute the same function: the same tokens meet the same experts.
+    (logits, grads), (expected_logits, expected_grads) = (moe_forward_backward(m, layout) for m in (alltoall, allgather))
+    torch.testing.assert_close(logits, expected_logits)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], msg=name)
+
+
 SCENARIOS = {f.__name__: f for f in (rng_tracker, current_device, cuda_factories, synchronize, tensor_cuda,
-                                     clip_grads_type, optimizer_type, optimizer_gather_cuda)}
+                                     clip_grads_type, optimizer_type, optimizer_gather_cuda, te_general_gemm,
+                                     alltoall_streams, alltoall_split_sizes)}
 assert set(SCENARIOS) == {bridge.name for bridge in cpu_compat.BRIDGES}
 
 failed = False

@@ -35,6 +35,48 @@ def test_value_model_and_llama3_rope():
     assert arch.hf_architecture() == "LlamaForTokenClassification"
 
 
+QWEN3_MOE = dict(BASE, architectures=["Qwen3MoeForCausalLM"], num_experts=8, num_experts_per_tok=2,
+                 moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+
+
+def test_moe_families():
+    qwen3 = architecture_from_hf(QWEN3_MOE)
+    assert (qwen3.family, qwen3.is_moe, qwen3.num_experts, qwen3.moe_topk, qwen3.moe_ffn_hidden_size) == (
+        "qwen3_moe", True, 8, 2, 32)
+    assert qwen3.qk_norm and qwen3.moe_norm_topk_prob and not qwen3.shared_expert_ffn_hidden_size
+    qwen2 = architecture_from_hf(dict(QWEN3_MOE, architectures=["Qwen2MoeForTokenClassification"], num_labels=1,
+                                      norm_topk_prob=False, shared_expert_intermediate_size=96))
+    assert (qwen2.family, qwen2.value_model, qwen2.qkv_bias, qwen2.qk_norm) == ("qwen2_moe", True, True, False)
+    assert (qwen2.shared_expert_ffn_hidden_size, qwen2.shared_expert_gate, qwen2.moe_norm_topk_prob) == (96, True, False)
+    assert qwen2.hf_architecture() == "Qwen2MoeForTokenClassification"
+    # Mixtral: the expert count under its other name, experts of the model's intermediate size, always renormalised.
+    mixtral = architecture_from_hf(dict(BASE, architectures=["MixtralForCausalLM"], num_local_experts=4,
+                                        num_experts_per_tok=2, sliding_window=None))
+    assert (mixtral.num_experts, mixtral.moe_ffn_hidden_size, mixtral.moe_norm_topk_prob) == (4, 128, True)
+    assert not architecture_from_hf(BASE).is_moe
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ({"mlp_only_layers": [0]}, "mlp_only_layers"),
+    ({"architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "sliding_window": 4096}, "sliding_window"),
+    ({"architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "router_jitter_noise": 0.1},
+     "router_jitter_noise"),
+])
+def test_moe_layers_must_all_be_sparse_and_plain(change, needle):
+    with pytest.raises(ValueError, match=needle) as error:
+        architecture_from_hf(dict(QWEN3_MOE, **change), source="m/config.json")
+    assert "m/config.json" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_expert_parallelism_needs_a_moe_model_and_fitting_experts():
+    with pytest.raises(ValueError, match="actor.ep=2 needs a mixture-of-experts model; this qwen3 model is dense"):
+        check_layout_fits(architecture_from_hf(BASE), tp=1, pp=1, ep=2)
+    check_layout_fits(architecture_from_hf(QWEN3_MOE), tp=1, pp=1, ep=8)
+    with pytest.raises(ValueError, match="actor.ep=3 must divide the number of experts 8"):
+        check_layout_fits(architecture_from_hf(QWEN3_MOE), tp=1, pp=1, ep=3)
+
+
 @pytest.mark.parametrize("change,needle", [
     ({"architectures": ["MistralForCausalLM"]}, "LlamaForCausalLM"),
     ({"hidden_act": "gelu"}, "hidden_act"),

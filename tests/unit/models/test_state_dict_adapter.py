@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from megarl.models.architecture import Architecture, padded_vocab_size
-from megarl.models.state_dict_adapter import ParamMapping, Piece, assemble_shard, merge_shards, shard_pieces
+from megarl.models.state_dict_adapter import (
+    ParamMapping,
+    Piece,
+    assemble_shard,
+    merge_shards,
+    param_mapping,
+    shard_pieces,
+    tp_split,
+)
 
 ARCH = Architecture(
     family="qwen2", value_model=False, num_layers=2, hidden_size=8, num_attention_heads=4, num_kv_heads=2,
@@ -94,3 +102,38 @@ def test_shape_mismatch_names_the_parameter():
     read = lambda name, dim, start, stop: hf[name].narrow(dim, start, stop - start)  # noqa: E731
     with pytest.raises(ValueError, match="linear_proj.weight"):
         assemble_shard(MAPPINGS[2], ARCH, (5, 4), 0, 2, read)
+
+
+def _moe(family: str) -> Architecture:
+    return Architecture(**{**vars(ARCH), "family": family, "num_experts": 8, "moe_topk": 2, "moe_ffn_hidden_size": 4})
+
+
+@pytest.mark.parametrize("name", ["decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight",
+                                  "decoder.layers.1.mlp.experts.linear_fc1.weight2"])  # local and TE grouped
+def test_expert_names_are_global_experts_of_the_global_layer(name):
+    # Local layer 1 is global layer 3 (second stage); local expert 2 of the EP rank starting at expert 4 is expert 6.
+    mapping = param_mapping(name, _moe("qwen3_moe"), {1: 3}, expert_offset=4)
+    assert mapping == ParamMapping(name, "gate_up", ("model.layers.3.mlp.experts.6.gate_proj.weight",
+                                                     "model.layers.3.mlp.experts.6.up_proj.weight"), expert=True)
+    mixtral = param_mapping(name.replace("fc1", "fc2"), _moe("mixtral"), {1: 3}, expert_offset=4)
+    assert (mixtral.kind, mixtral.hf_names, mixtral.expert) == (
+        "row", ("model.layers.3.block_sparse_moe.experts.6.w2.weight",), True)
+
+
+def test_router_and_shared_expert_are_split_like_dense_weights():
+    layers = {0: 0}
+    router = param_mapping("decoder.layers.0.mlp.router.weight", _moe("mixtral"), layers)
+    assert (router.kind, router.hf_names) == ("replicated", ("model.layers.0.block_sparse_moe.gate.weight",))
+    shared = param_mapping("decoder.layers.0.mlp.shared_experts.linear_fc1.weight", _moe("qwen2_moe"), layers)
+    assert (shared.kind, shared.expert) == ("gate_up", False)
+    assert shared.hf_names == ("model.layers.0.mlp.shared_expert.gate_proj.weight",
+                               "model.layers.0.mlp.shared_expert.up_proj.weight")
+    gate = param_mapping("decoder.layers.0.mlp.shared_experts.gate_weight", _moe("qwen2_moe"), layers)
+    assert gate.hf_names == ("model.layers.0.mlp.shared_expert_gate.weight",)
+
+
+def test_experts_split_over_expert_tensor_parallel_ranks():
+    layout = type("Layout", (), {"tp_rank": 1, "tp": 2, "etp_rank": 0, "etp": 1})
+    expert = ParamMapping("e", "row", ("down",), expert=True)
+    assert tp_split(expert, layout) == (0, 1)
+    assert tp_split(ParamMapping("d", "row", ("down",)), layout) == (1, 2)
