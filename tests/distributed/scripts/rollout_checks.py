@@ -186,7 +186,7 @@ report["vllm_plain_bit_identical"] = all(leading_rows_equal(vllm_params[n], expo
 def experts_equal(name: str) -> bool:
     """vLLM's stacked experts of engine rank 0 (`...experts.w13_weight` (E, 2 x ffn / TP_r, h): gate
     then up rows; `w2_weight` (E, h, ffn / TP_r): down columns) against the exported HF experts."""
-    stacked, prefix = vllm_params[name], name.rsplit(".", 1)[0] + "."
+    stacked, prefix = vllm_params[name], name[: name.index(".experts.")] + ".experts."
     for expert in range(stacked.shape[0]):
         gate, up, down = (exported.get(f"{prefix}{expert}.{a}.weight", exported.get(f"{prefix}{expert}.{b}.weight"))
                           for a, b in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")))
