@@ -5,7 +5,9 @@ vLLM's weight loaders take a whole HF tensor and cut their TP rank's rows or col
 rows), then copy the cut into the parameter. A `TensorShard` has the whole tensor's shape but only
 the bytes of one interval along the split dim: `narrow` within that interval returns the received
 bytes themselves, so the loader copies this rank's shard into vLLM's parameter and no full-size
-tensor is ever allocated. Any other use fails loudly instead of reading bytes that were never sent.
+tensor is ever allocated. vLLM's MoE loader first gives a per-expert tensor a leading expert
+dimension and unbinds it again (`unsqueeze(0)`, `unbind(0)`): both keep the held interval and
+return shards. Any other use fails loudly instead of reading bytes that were never sent.
 """
 
 from __future__ import annotations
@@ -41,5 +43,17 @@ class TensorShard(torch.Tensor):
             stop = tensor.start + tensor.shard.shape[tensor.split_dim]
             if dim == tensor.split_dim and step[0] in (None, 1) and tensor.start <= start <= end <= stop:
                 return tensor.shard.narrow(dim, start - tensor.start, end - start)
+        if func is torch.ops.aten.unsqueeze.default:
+            tensor, dim = args
+            dim %= tensor.dim() + 1
+            split_dim = tensor.split_dim + (dim <= tensor.split_dim)
+            shape = (*tensor.shape[:dim], 1, *tensor.shape[dim:])
+            return TensorShard(tensor.shard.unsqueeze(dim), shape, split_dim, tensor.start)
+        if func is torch.ops.aten.unbind.int:
+            tensor, dim = args[0], (args[1] if len(args) > 1 else 0) % args[0].dim()
+            if dim != tensor.split_dim:
+                split_dim = tensor.split_dim - (dim < tensor.split_dim)
+                shape = (*tensor.shape[:dim], *tensor.shape[dim + 1:])
+                return tuple(TensorShard(part, shape, split_dim, tensor.start) for part in tensor.shard.unbind(dim))
         raise RuntimeError(f"{func} on {args[0]!r} with arguments {args[1:]}: only narrowing to the held "
                            "interval is possible, the rest of the tensor was never sent to this rank")

@@ -142,6 +142,7 @@ class VLLMRollout:
 
     def end_weight_update(self) -> None:
         self.llm.collective_rpc(_refresh_lm_head)
+        self.llm.collective_rpc(_repack_cpu_experts)
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         self.guard.end()
 
@@ -179,6 +180,27 @@ def _refresh_lm_head(worker) -> None:
     head = getattr(worker.model_runner.model, "lm_head", None)
     if head is not None and hasattr(head, "quant_method"):
         head.quant_method.process_weights_after_loading(head)
+
+
+def _repack_cpu_experts(worker) -> None:
+    """Re-derive the CPU MoE kernel's packed expert weights (runs on the worker).
+
+    vLLM's CPU grouped-GEMM experts read `w13_weight`/`w2_weight` in a prepacked layout made when
+    the model is first loaded. A reload processes each MoE layer again but, taking it for a weight
+    update of an already set-up kernel, skips that prepacking: the layer would hold the new weights
+    in checkpoint layout and the kernel would read them as packed. The experts' own processing step
+    is what a first load runs after the layer's generic one."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    for layer in worker.model_runner.model.modules():
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        if kernel is not None and isinstance(kernel.fused_experts, CPUUnquantizedExperts):
+            per_rank = layer.moe_config.intermediate_size_per_partition
+            if layer.w2_weight.shape[-1] != per_rank:
+                raise ValueError(
+                    f"moe_intermediate_size / rollout.tp = {per_rank} is padded by vLLM's CPU MoE kernel, "
+                    "whose weight reload does not support padding; expected a multiple of 32")
+            kernel.fused_experts.process_weights_after_loading(layer)
 
 
 def _abandon_partial_reload(worker) -> None:

@@ -166,11 +166,11 @@ hf_state = reference.model.state_dict()
 report["hf_engine_bit_identical"] = all(torch.equal(checkpoint_tensor(hf_state, n), t) for n, t in exported.items())
 
 
-def unpacked_params(worker):
+def engine_params(worker):
     return {n: p.detach().clone() for n, p in worker.model_runner.model.named_parameters() if p.numel() > 0}
 
 
-vllm_params = vllm.llm.collective_rpc(unpacked_params)[0]
+vllm_params = vllm.llm.collective_rpc(engine_params)[0]
 plain = [n for n in vllm_params if n in exported]
 report["vllm_plain_tensors_checked"] = len(plain)
 # vLLM pads the vocabulary rows of the embedding and LM head (and shards them at engine TP > 1):
@@ -183,18 +183,39 @@ def leading_rows_equal(engine_tensor, exported_tensor):
 report["vllm_plain_bit_identical"] = all(leading_rows_equal(vllm_params[n], exported[n]) for n in plain)
 
 
+def cpu_experts_isa(worker):
+    """The instruction set vLLM's CPU MoE kernel prepacks each experts module's weights for."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    isa = {}
+    for name, module in worker.model_runner.model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if kernel is not None and isinstance(kernel.fused_experts, CPUUnquantizedExperts):
+            isa[name] = kernel.fused_experts.isa
+    return isa
+
+
+experts_isa = vllm.llm.collective_rpc(cpu_experts_isa)[0]
+
+
 def experts_equal(name: str) -> bool:
     """vLLM's stacked experts of engine rank 0 (`...experts.w13_weight` (E, 2 x ffn / TP_r, h): gate
-    then up rows; `w2_weight` (E, h, ffn / TP_r): down columns) against the exported HF experts."""
+    then up rows; `w2_weight` (E, h, ffn / TP_r): down columns) against the exported HF experts, in
+    the layout the CPU kernel reads: vLLM's own prepacking of them, as a fresh load makes it."""
     stacked, prefix = vllm_params[name], name[: name.index(".experts.")] + ".experts."
+    expected = []
     for expert in range(stacked.shape[0]):
         gate, up, down = (exported.get(f"{prefix}{expert}.{a}.weight", exported.get(f"{prefix}{expert}.{b}.weight"))
                           for a, b in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")))
         width = stacked.shape[-1] if name.endswith("w2_weight") else stacked.shape[1] // 2
-        expected = down[:, :width] if name.endswith("w2_weight") else torch.cat([gate[:width], up[:width]])
-        if not torch.equal(stacked[expert], expected):
-            return False
-    return True
+        expected.append(down[:, :width] if name.endswith("w2_weight") else torch.cat([gate[:width], up[:width]]))
+    expected = torch.stack(expected)
+    isa = experts_isa.get(name.rsplit(".", 1)[0])
+    if isa is not None:
+        from vllm._custom_ops import cpu_prepack_moe_weight
+
+        expected = cpu_prepack_moe_weight(expected, isa)
+    return torch.equal(stacked, expected)
 
 
 stacked_experts = [n for n in vllm_params if n.endswith(("experts.w13_weight", "experts.w2_weight"))]

@@ -22,6 +22,16 @@ def test_narrowing_to_the_held_interval_gives_the_received_bytes_without_a_copy(
     assert torch.equal(target, full[:, 3:])
 
 
+def test_an_expert_tensor_stacked_and_unbound_as_vllms_moe_loader_does_keeps_its_held_interval():
+    full = torch.arange(48.0).reshape(6, 8)  # one expert's down projection, split along dim 1
+    shard = TensorShard(full[:, 4:].clone(), tuple(full.shape), split_dim=1, start=4)
+    (expert,) = shard.unsqueeze(0).unbind()
+    assert isinstance(expert, TensorShard) and expert.shape == full.shape
+    assert torch.equal(expert.narrow(1, 4, 4), full[:, 4:])
+    with pytest.raises(RuntimeError, match="never sent to this rank"):
+        expert.narrow(1, 0, 4)
+
+
 @pytest.mark.parametrize("cut", [lambda s: s.narrow(0, 1, 2), lambda s: s.narrow(1, 0, 2), lambda s: s + 1,
                                  lambda s: s.sum()])
 def test_anything_but_the_held_interval_is_refused(cut):
