@@ -25,7 +25,6 @@ from megarl.config.schema import (
     LR_DECAY_STYLES,
     OPTIMIZERS,
     RESUME_MODES,
-    TOKEN_DISPATCHERS,
     EngineConfig,
     RunConfig,
 )
@@ -77,7 +76,6 @@ def validate(config: RunConfig) -> None:
     _check_choice("model.dtype", config.model.dtype, DTYPES)
     _check_choice("model.layer_spec", config.model.layer_spec, LAYER_SPECS)
     _check_at_least("model.make_vocab_size_divisible_by", config.model.make_vocab_size_divisible_by, 1)
-    _check_choice("model.moe.token_dispatcher", config.model.moe.token_dispatcher, TOKEN_DISPATCHERS)
     actor = config.actor
     for name in ("tp", "pp", "ep"):
         _check_at_least(f"actor.{name}", getattr(actor, name), 1)

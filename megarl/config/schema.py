@@ -18,18 +18,12 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine")
 KL_CONTROLLERS = ("fixed", "adaptive")
 RESUME_MODES = ("auto", "disable", "path")
 LOGGERS = ("console", "mlflow")
-TOKEN_DISPATCHERS = ("alltoall", "allgather")
 
 
 @dataclass
 class MoEConfig:
     """How a mixture-of-experts model routes and balances its experts while training (ignored by
     dense models); becomes `megarl.models.builder.MoESettings`."""
-
-    token_dispatcher: str = "alltoall"
-    """One of TOKEN_DISPATCHERS: "alltoall" sends each token only to the EP ranks holding its
-    experts; "allgather" gathers every token on every EP rank (megatron-core allows it only with
-    micro-batches of one fixed length)."""
 
     aux_loss_coeff: float = 0.0
     """Weight of the load-balancing auxiliary loss; 0 disables (1e-2 is a common start)."""

@@ -7,7 +7,7 @@ Fused kernels and sequence parallelism follow the device too (`fused_kernels`).
 Mixture-of-experts architectures get megatron-core's own MoE layer in every decoder layer: a
 router, the experts (one MLP per local expert with the local spec; grouped GEMMs over the local
 experts with Transformer Engine) and, for Qwen2-MoE, the gated shared expert. How they train
-(token dispatcher, balancing losses, expert bias, routing replay) is `MoESettings`.
+(token dispatcher, balancing losses, expert bias) is `MoESettings`.
 """
 
 from __future__ import annotations
@@ -50,12 +50,13 @@ class ScheduleSettings:
 
 @dataclass(frozen=True)
 class MoESettings:
-    """How a mixture-of-experts model routes and balances while training (from config `model.moe`,
-    router replay from `actor.router_replay`); ignored by dense models."""
+    """How a mixture-of-experts model routes and balances while training (from config `model.moe`);
+    ignored by dense models."""
 
     token_dispatcher: str = "alltoall"
     """How tokens reach the EP ranks holding their experts: "alltoall" sends each token only where it
-    is routed; "allgather" gathers every token on every EP rank."""
+    is routed; "allgather" gathers every token on every EP rank. The engine trains with "alltoall":
+    megatron-core takes "allgather" only with micro-batches of one fixed length."""
     aux_loss_coeff: float = 0.0
     """Weight of the load-balancing auxiliary loss (Switch-Transformer style); 0 disables."""
     z_loss_coeff: float = 0.0
@@ -65,8 +66,6 @@ class MoESettings:
     is added to the routing scores for choosing experts (not for weighting them). megatron-core
     supports it with sigmoid scores only, so the router then scores experts with a sigmoid (weights
     renormalised over the chosen experts) instead of the checkpoint's softmax."""
-    router_replay: bool = False
-    """Route by recorded expert choices (those of the rollout) instead of the router's own top-k."""
 
 
 def moe_transformer_fields(arch: Architecture, layout: ParallelLayout, moe: MoESettings,
@@ -89,7 +88,6 @@ def moe_transformer_fields(arch: Architecture, layout: ParallelLayout, moe: MoES
         moe_aux_loss_coeff=moe.aux_loss_coeff,
         moe_z_loss_coeff=moe.z_loss_coeff or None,
         moe_token_dispatcher_type=moe.token_dispatcher,
-        moe_enable_routing_replay=moe.router_replay,
         moe_grouped_gemm=layer_spec == "transformer_engine",
         expert_tensor_parallel_size=layout.etp,
     )

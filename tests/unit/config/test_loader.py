@@ -77,8 +77,6 @@ BAD_CONFIGS = [
     bad("negative pp", M + "actor: {pp: -2}", [], "'actor.pp' = -2", ">= 1"),
     bad("ep zero", None, [P, "actor.ep=0"], "'actor.ep' = 0", ">= 1"),
     bad("etp negative", None, [P, "actor.etp=-1"], "'actor.etp' = -1", ">= 0"),
-    bad("unknown token dispatcher", None, [P, "model.moe.token_dispatcher=flex"], "'model.moe.token_dispatcher'",
-        "alltoall, allgather"),
     bad("context parallel", None, [P, "actor.cp=2"], "'actor.cp' = 2", "not supported", "allowed: 1"),
     bad("critic mini-batch zero", None, [P, "critic.ppo_mini_batch_size=0"], "'critic.ppo_mini_batch_size' = 0",
         ">= 1"),

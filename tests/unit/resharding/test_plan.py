@@ -9,7 +9,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from bench.resharding_cost_model import llama2, training_sources
+from bench.resharding_cost_model import TrainingLayout, architecture, rank_sources
 
 from megarl.models.architecture import Architecture
 from megarl.models.state_dict_adapter import ParamMapping, shard_pieces
@@ -208,11 +208,16 @@ def test_per_rank_plans_agree_with_the_whole_world_plan(engine_tp):
 
 
 def _replica_sources(tp, pp, dp, dp_rank):
-    sources, shard_shapes = training_sources(LLAMA, tp, pp, dp, dp_rank)
+    layout = TrainingLayout(tp * pp * dp, tp=tp, pp=pp)
+    sources, shard_shapes = [], {}
+    for rank in layout.dense_replica(dp_rank * tp):
+        dense, _, shapes = rank_sources(LLAMA, layout, rank)
+        sources += dense
+        shard_shapes |= shapes
     return sources, hf_shapes_from(sources, shard_shapes)
 
 
-LLAMA = llama2("Llama-2-70B")
+LLAMA = architecture("Llama-2-70B")
 
 
 def _plan_of(rank, tp, pp, dp, engine_tp, itemsize=2):
