@@ -58,8 +58,8 @@ def rank0_lower_bound(model_dir, tp, pp, ep, engine_tp) -> int:
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             needed = min(size, -(-size // 64) * 64 // engine_tp)
             held = min(size, -(-size // (128 * tp)) * 128)
-        elif tensor.dim() == 1 or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
-            needed = held = size  # norms, routers and the shared expert's gate: whole on every rank
+        elif name.endswith(("norm.weight", "mlp.gate.weight", "shared_expert_gate.weight")):
+            needed = held = size  # norms, routers and the shared expert's gate: whole on every rank (biases split)
         else:
             needed, held = size // engine_tp, size // tp
         missing += (needed - (min(needed, held) if on_rank0 else 0)) * slice_bytes
