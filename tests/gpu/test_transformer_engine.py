@@ -16,22 +16,23 @@ from tests.conftest import ROOT, TINY_MODELS, assert_succeeded, torchrun
 pytestmark = pytest.mark.gpu
 
 
+def assert_te_logits_match(models: dict, nproc: int, *layout: object) -> None:
+    """compare_logits on `nproc` GPUs at `layout` with the TE spec in bf16: every model OK."""
+    if torch.cuda.device_count() < nproc:
+        pytest.skip(f"needs {nproc} GPUs")
+    result = torchrun(nproc, ROOT / "checkpoints_tools/compare_logits.py", "--hf", *models.values(), *layout,
+                      "--layer-spec", "transformer_engine", "--dtype", "bfloat16", "--tolerance", "1e-1")
+    assert_succeeded(result)
+    assert len(re.findall(r"^OK ", result.stdout, re.MULTILINE)) == len(models)
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_transformer_engine_logits_match_transformers(tiny_models, tp):
-    if torch.cuda.device_count() < tp:
-        pytest.skip(f"needs {tp} GPUs")
-    result = torchrun(tp, ROOT / "checkpoints_tools/compare_logits.py", "--hf", *tiny_models.values(),
-                      "--tp", tp, "--layer-spec", "transformer_engine", "--dtype", "bfloat16", "--tolerance", "1e-1")
-    assert_succeeded(result)
-    assert len(re.findall(r"^OK ", result.stdout, re.MULTILINE)) == len(TINY_MODELS)
+    assert len(tiny_models) == len(TINY_MODELS)
+    assert_te_logits_match(tiny_models, tp, "--tp", tp)
 
 
 @pytest.mark.parametrize("ep", [1, 2])
 def test_transformer_engine_moe_logits_match_transformers(tiny_moe_models, ep):
     """The MoE models on TE's grouped-GEMM experts (weight<i> per local expert), at EP1 and EP2."""
-    if torch.cuda.device_count() < ep:
-        pytest.skip(f"needs {ep} GPUs")
-    result = torchrun(ep, ROOT / "checkpoints_tools/compare_logits.py", "--hf", *tiny_moe_models.values(),
-                      "--ep", ep, "--layer-spec", "transformer_engine", "--dtype", "bfloat16", "--tolerance", "1e-1")
-    assert_succeeded(result)
-    assert len(re.findall(r"^OK ", result.stdout, re.MULTILINE)) == len(tiny_moe_models)
+    assert_te_logits_match(tiny_moe_models, ep, "--ep", ep)
