@@ -12,6 +12,7 @@ from megarl.algorithms.advantages import (
 )
 from megarl.algorithms.aggregation import LOSS_AGGREGATIONS, aggregate, masked_mean
 from megarl.algorithms.dapo import keep_informative_groups, overlong_penalty
+from megarl.algorithms.distillation import reverse_kl_tokens
 from megarl.algorithms.importance import rollout_mismatch_tokens, truncated_importance_weights
 from megarl.algorithms.kl import (
     KL_ESTIMATORS,
@@ -39,6 +40,7 @@ __all__ = [
     "masked_whiten",
     "overlong_penalty",
     "register_estimator",
+    "reverse_kl_tokens",
     "rollout_mismatch_tokens",
     "truncated_importance_weights",
 ]

@@ -18,6 +18,7 @@ the group of responses to the same prompt (sharing a group id).
     remax      A_i = score_i - b_i, b_i the reward of the greedy response to the same prompt;
                returns = A. (verl uses the per-token return-to-go minus b_i; both agree when the
                only reward is the outcome at the last token.)
+    opd        on-policy distillation: the per-token reverse KL to a teacher (`distillation.py`).
 
 Sequence-level advantages are broadcast over the valid tokens of their response. "Whitened" is
 (x - mean) / sqrt(var + 1e-8) with the masked mean and unbiased masked variance (verl masked_whiten)
@@ -55,6 +56,12 @@ class AdvantageInputs:
     """Critic values at the response tokens (gae only)."""
     baseline_rewards_B: Tensor | None = None
     """Reward of the greedy response for each sample's prompt (remax only)."""
+    student_logprobs_BR: Tensor | None = None
+    """The policy's log-probs of the response tokens it sampled (opd only)."""
+    teacher_logprobs_BR: Tensor | None = None
+    """A teacher model's log-probs of the same tokens (opd only)."""
+    task_reward_weight: float = 0.0
+    """opd: weight of the task reward's advantage added to the distillation advantage."""
     gamma: float = 1.0
     lam: float = 1.0
     norm_by_std: bool = True
@@ -72,7 +79,7 @@ ADVANTAGE_ESTIMATORS: Registry[Callable[[AdvantageInputs], tuple[Tensor, Tensor]
 
 
 def register_estimator(name: str, *, needs_groups: bool = False, needs_greedy_baseline: bool = False,
-                       needs_values: bool = False):
+                       needs_values: bool = False, needs_teacher: bool = False):
     """Register an estimator with what it needs from the trainer, as attributes of the function, so
     that the trainer asks the estimator rather than branching on its name:
 
@@ -81,11 +88,13 @@ def register_estimator(name: str, *, needs_groups: bool = False, needs_greedy_ba
     needs_greedy_baseline  its inputs include the reward of a greedy response per prompt
                            (baseline_rewards_B), which the trainer generates for it
     needs_values           its inputs include critic values (values_BR): a run choosing it needs a critic
+    needs_teacher          its inputs include a teacher's log-probs (teacher_logprobs_BR): a run choosing
+                           it needs teacher.path
     """
 
     def add(estimator):
         estimator.needs_groups, estimator.needs_greedy_baseline = needs_groups, needs_greedy_baseline
-        estimator.needs_values = needs_values
+        estimator.needs_values, estimator.needs_teacher = needs_values, needs_teacher
         return ADVANTAGE_ESTIMATORS.register(name)(estimator)
 
     return add

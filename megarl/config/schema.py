@@ -205,6 +205,22 @@ class CriticConfig(EngineConfig):
 
 
 @dataclass
+class TeacherConfig:
+    """The frozen model that on-policy distillation (`algorithm.adv_estimator=opd`) learns from: it scores
+    the student's rollouts, forward only, on the actor's parallel layout and following actor.offload."""
+
+    path: str = ""
+    """HF directory of the teacher (any size, the student's tokenizer); empty: no teacher."""
+
+    micro_batch_size_per_rank: int = 0
+    """Sequences per teacher forward on one DP rank; 0: the actor's (a larger teacher may need fewer)."""
+
+    task_reward_weight: float = 0.0
+    """opd: weight of the task reward's advantage (score minus its group mean) added to the per-token
+    distillation advantage; 0: pure distillation."""
+
+
+@dataclass
 class DataConfig:
     """Prompts in the common RL parquet layout (prompt, data_source, reward_model, extra_info)."""
 
@@ -290,7 +306,7 @@ class KLControlConfig:
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
-    """Registered advantage estimator: gae, grpo, drgrpo, rloo, reinforce_plus_plus, remax."""
+    """Registered advantage estimator: gae, grpo, drgrpo, rloo, reinforce_plus_plus, remax, opd (needs teacher)."""
 
     gamma: float = 1.0
     """Discount factor."""
@@ -401,6 +417,9 @@ class RunConfig:
 
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model (PPO with GAE)."""
+
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """The teacher of on-policy distillation."""
 
     data: DataConfig = field(default_factory=DataConfig)
     """Training and validation prompts."""

@@ -2,12 +2,13 @@
 
     reshard -> rollout -> reward -> score -> advantage -> update -> log
 
-Models: the actor (trained), an optional reference (KL), an optional critic (GAE) and an optional
-reward model, all megatron-core models on the actor's layout, and one colocated rollout engine
-per TP_r ranks. The engines split the step's prompts and score each response once; every rank
-learns the scores (`megarl.trainer.rollouts`), and each DP rank then receives its share of whole
-groups (the n responses of a prompt), balanced by tokens within every mini-batch
-(`megarl.trainer.shares`), and scores, computes advantages and trains on that share alone.
+Models: the actor (trained), an optional reference (KL), an optional critic (GAE), an optional
+reward model and an optional teacher (on-policy distillation), all megatron-core models on the
+actor's layout, and one colocated rollout engine per TP_r ranks. The engines split the step's
+prompts and score each response once; every rank learns the scores (`megarl.trainer.rollouts`),
+and each DP rank then receives its share of whole groups (the n responses of a prompt), balanced
+by tokens within every mini-batch (`megarl.trainer.shares`), and scores, computes advantages and
+trains on that share alone.
 The step's numbers are reduced over DP as tensors (`megarl.trainer.metrics`).
 
 Memory is shared in time: between phases the rollout engine sleeps and the Megatron models are
@@ -56,6 +57,7 @@ from megarl.trainer.rollouts import Rollouts, collect_rollouts
 from megarl.trainer.scores import first_groups, informative, reward_model_scores, sequence_rewards
 from megarl.trainer.shares import sum_over_shares, take_share
 from megarl.trainer.startup import Run
+from megarl.trainer.teacher import distillation_stats, teacher_engine_config
 from megarl.trainer.timing import PhaseTimer
 from megarl.trainer.validation import validation_metrics
 
@@ -91,6 +93,10 @@ class RLTrainer:
         self.critic = None
         if config.critic.enable:
             self.critic = self._engine(config.critic, trainable=True, path=config.critic.path or None, value=True)
+        self.teacher = None
+        if config.teacher.path:
+            self.teacher = self._engine(teacher_engine_config(config.actor, config.teacher.micro_batch_size_per_rank),
+                                        trainable=False, path=config.teacher.path)
         self.reward_model = None
         if config.reward.reward_model_path:
             self.reward_model = self._engine(EngineConfig(), trainable=False, path=config.reward.reward_model_path)
@@ -132,8 +138,8 @@ class RLTrainer:
         settings = EngineSettings(rollout.backend, config.model.path, config.model.dtype, rollout.tp,
                                   data.max_prompt_length + data.max_response_length, rollout.kv_cache_mib << 20,
                                   rollout.gpu_memory_utilization, config.trainer.seed, rollout.bucket_mib << 20)
-        # The reference follows `actor.offload`.
-        offloading = [engine.memory for engine in (self.actor, self.reference, self.critic)
+        # The reference and the teacher follow `actor.offload`.
+        offloading = [engine.memory for engine in (self.actor, self.reference, self.critic, self.teacher)
                       if engine is not None and engine.config.offload]
         return RolloutPolicy(self.actor.module, self.actor.arch, self.layout, settings, offloading, self.actor.memory,
                              weights_version=lambda: self.actor.weights_version)
@@ -189,14 +195,18 @@ class RLTrainer:
         batch = local.to_batch(self.pad_token_id)
         self._check(batch, "rollout", ("rollout_logprobs",))
         temperature, seed = self.config.rollout.temperature, self.config.trainer.seed
-        # A single-step actor update computes the old log-probs in its own forward: no scoring pass.
-        old_from_update = self.actor.is_single_step(num_groups) and not self.config.algorithm.use_kl_in_reward
+        # A single-step actor update computes the old log-probs in its own forward: no scoring pass
+        # (unless the reward's KL or the teacher's needs them first).
+        old_from_update = (self.actor.is_single_step(num_groups) and not self.config.algorithm.use_kl_in_reward
+                           and self.teacher is None)
         with timer("score"):
             if not old_from_update:
                 scored = self.actor.score(batch, temperature)
                 batch.response_tensors["old_logprobs"] = scored["logprobs"]
             if self.reference is not None:
                 batch.response_tensors["ref_logprobs"] = self.reference.score(batch, temperature)["logprobs"]
+            if self.teacher is not None:
+                batch.response_tensors["teacher_logprobs"] = self.teacher.score(batch, temperature)["logprobs"]
             if self.critic is not None:
                 batch.response_tensors["values"] = self.critic.score(batch)["values"]
             scores = torch.tensor(local.scores)
@@ -281,9 +291,13 @@ class RLTrainer:
                                                       tensors["ref_logprobs"], mask_BR, self.kl_ctrl.value,
                                                       algorithm.kl_penalty)
             stats.means["actor/reward_kl"] = (kl * len(batch), len(batch))  # a mean over sequences
+        if "teacher_logprobs" in tensors:
+            distillation_stats(stats, tensors["old_logprobs"], tensors["teacher_logprobs"], mask_BR)
         advantages_BR, returns_BR = self.estimator(AdvantageInputs(
             token_rewards_BR=token_rewards_BR, mask_BR=mask_BR, group_ids_B=group_ids_B,
             values_BR=tensors.get("values"), baseline_rewards_B=baseline_B, gamma=algorithm.gamma, lam=algorithm.lam,
+            student_logprobs_BR=tensors.get("old_logprobs"), teacher_logprobs_BR=tensors.get("teacher_logprobs"),
+            task_reward_weight=self.config.teacher.task_reward_weight,
             norm_by_std=algorithm.norm_adv_by_std, sum_over_batch=lambda sums: sum_over_shares(sums, self.layout),
         ))
         tensors["advantages"], tensors["returns"] = advantages_BR * mask_BR, returns_BR * mask_BR

@@ -56,6 +56,10 @@ def parse_config(argv: Sequence[str], rl: bool) -> RunConfig:
             f"config key 'model.path' = {config.model.path!r} has no config.json; "
             "expected a HuggingFace model directory (make one with checkpoints_tools/make_tiny_model.py)"
         )
+    if rl:
+        from megarl.trainer.teacher import check_teacher
+
+        check_teacher(config)
     return config
 
 

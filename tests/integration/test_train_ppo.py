@@ -1,12 +1,13 @@
 """The real launchers for a few steps: PPO with a critic at TP2xPP2xDP2 against TP1, GRPO with a KL
-loss at DP1 and DP2. (PPO with a critic at TP2 and its validation, curves and config in mlflow:
-test_checkpoint_resume.py's uninterrupted runs.)
+loss at DP1 and DP2, on-policy distillation at PP2. (PPO with a critic at TP2 and its validation,
+curves and config in mlflow: test_checkpoint_resume.py's uninterrupted runs.)
 
 Each run logs to a local mlflow store, which the test reads back with mlflow's own client.
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -119,6 +120,25 @@ def test_remax_generates_its_greedy_baseline(tiny_models, arithmetic, tmp_path):
                       timeout=600)
     assert_succeeded(result)
     assert _logged(tmp_path / "quickstart_grpo", "quickstart_grpo", "advantages/mean") == [1, 2]
+
+
+def test_opd_at_pp2_with_the_student_as_teacher_has_zero_kl(tiny_models, arithmetic, tmp_path):
+    # The teacher is a second model loaded from a copy of the student's weights: it must give every sampled
+    # token the student's log-prob (same tokens, same temperature, 0.7 here), so the reverse KL and the
+    # advantages are 0 and the policy gradient vanishes. A misaligned or unscaled teacher score is not 0.
+    teacher = tmp_path / "teacher"
+    shutil.copytree(tiny_models["qwen2-tied"], teacher)
+    result = torchrun(2, ROOT / "launchers/train_ppo.py", "--config", "configs/quickstart.yaml",
+                      *_overrides(tiny_models["qwen2-tied"], arithmetic, tmp_path, "actor.pp=2",
+                                  "rollout.temperature=0.7", "algorithm.adv_estimator=opd", f"teacher.path={teacher}"),
+                      timeout=600)
+    assert_succeeded(result)
+    run = tmp_path / "quickstart_grpo"
+    assert _logged(run, "quickstart_grpo", "teacher/reverse_kl") == [1, 2]
+    for metric in ("teacher/reverse_kl", "advantages/max", "advantages/min", "actor/pg_loss"):
+        assert max(abs(v) for v in _values(run, "quickstart_grpo", metric)) < 1e-5, metric
+    # The teacher's log-probs are real ones: a near-uniform tiny model over 101 tokens at T=0.7.
+    assert all(-5.0 < v < -1.0 for v in _values(run, "quickstart_grpo", "teacher/logprob_mean"))
 
 
 def _launch_one(*args):
