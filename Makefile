@@ -7,7 +7,7 @@ OUT := outputs/quickstart
 TORCHRUN := $(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=2
 export OMP_NUM_THREADS := 1
 
-.PHONY: quickstart moe-quickstart test install docker-check clean
+.PHONY: quickstart moe-quickstart opd-quickstart test install docker-check clean
 
 # The main job on the embedded default: a tiny Qwen2 and its tokenizer made here, synthetic "a+b="
 # tasks, a short SFT warm start, then GRPO on 2 CPU processes (curves in $(OUT)/quickstart_grpo).
@@ -24,6 +24,14 @@ moe-quickstart: $(INSTALLED)
 	$(PYTHON) -m megarl.data.synthetic --task arithmetic --out-dir outputs/moe_quickstart/data --num-train 20000 --num-test 500 --seed 0
 	$(TORCHRUN) launchers/train_sft.py --config configs/moe_quickstart_sft.yaml
 	$(TORCHRUN) launchers/train_ppo.py --config configs/moe_quickstart.yaml
+
+# On-policy distillation on the quick start's task, after `make quickstart` (its SFT model is the student):
+# the quick start's GRPO run again, saved at its last step and exported, is the teacher; then OPD from the
+# SFT model (curves in $(OUT)/opd_quickstart beside the teacher's own GRPO curve in $(OUT)/quickstart_grpo).
+opd-quickstart: $(INSTALLED)
+	$(TORCHRUN) launchers/train_ppo.py --config configs/quickstart.yaml trainer.save_freq=1500 trainer.checkpoint_dir=$(OUT)/checkpoints
+	$(TORCHRUN) checkpoints_tools/convert_to_hf.py --checkpoint $(OUT)/checkpoints/quickstart_grpo/global_step_1500 --output $(OUT)/quickstart_grpo/hf
+	$(TORCHRUN) launchers/train_ppo.py --config configs/opd_quickstart.yaml
 
 test: $(INSTALLED)
 	$(PYTHON) -m megarl.doctor --require core
