@@ -29,8 +29,10 @@ moe-quickstart: $(INSTALLED)
 # the quick start's GRPO run again, saved at its last step and exported, is the teacher; then OPD from the
 # SFT model (curves in $(OUT)/opd_quickstart beside the teacher's own GRPO curve in $(OUT)/quickstart_grpo).
 opd-quickstart: $(INSTALLED)
-	$(TORCHRUN) launchers/train_ppo.py --config configs/quickstart.yaml trainer.save_freq=1500 trainer.checkpoint_dir=$(OUT)/checkpoints
-	$(TORCHRUN) checkpoints_tools/convert_to_hf.py --checkpoint $(OUT)/checkpoints/quickstart_grpo/global_step_1500 --output $(OUT)/quickstart_grpo/hf
+	$(TORCHRUN) launchers/train_ppo.py --config configs/quickstart.yaml \
+		trainer.save_freq=1500 trainer.checkpoint_dir=$(OUT)/checkpoints
+	$(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=1 checkpoints_tools/convert_to_hf.py \
+		--checkpoint $(OUT)/checkpoints/quickstart_grpo/global_step_1500 --output $(OUT)/quickstart_grpo/hf --verify
 	$(TORCHRUN) launchers/train_ppo.py --config configs/opd_quickstart.yaml
 
 test: $(INSTALLED)

@@ -418,9 +418,6 @@ class RunConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model (PPO with GAE)."""
 
-    teacher: TeacherConfig = field(default_factory=TeacherConfig)
-    """The teacher of on-policy distillation."""
-
     data: DataConfig = field(default_factory=DataConfig)
     """Training and validation prompts."""
 
@@ -435,3 +432,6 @@ class RunConfig:
 
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """The training loop: length, seed, where outputs go."""
+
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """The teacher of on-policy distillation."""
