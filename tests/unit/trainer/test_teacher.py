@@ -8,7 +8,9 @@ import shutil
 import pytest
 
 from megarl.config import ConfigError
+from megarl.config.schema import ActorConfig
 from megarl.trainer.startup import parse_config
+from megarl.trainer.teacher import teacher_engine_config
 
 
 def _parse(model, *overrides):
@@ -39,3 +41,10 @@ def test_opd_without_a_teacher_fails_naming_the_key(monkeypatch, tiny_models):
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ConfigError, match="'teacher.path' is empty: algorithm.adv_estimator='opd'"):
         _parse(tiny_models["qwen2-tied"], "algorithm.adv_estimator=opd")
+
+
+def test_the_teacher_takes_the_actors_engine_settings_but_its_own_micro_batch():
+    actor = ActorConfig(offload=True, micro_batch_size_per_rank=8, use_dynamic_batch_size=True)
+    same, smaller = teacher_engine_config(actor, 0), teacher_engine_config(actor, 2)
+    assert same.offload and same.use_dynamic_batch_size and same.micro_batch_size_per_rank == 8
+    assert smaller.offload and smaller.micro_batch_size_per_rank == 2
