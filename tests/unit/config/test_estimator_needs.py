@@ -14,7 +14,10 @@ def test_group_relative_estimators_declare_that_they_need_groups():
     baseline = {name for name in ADVANTAGE_ESTIMATORS.names()
                 if ADVANTAGE_ESTIMATORS.get(name).needs_greedy_baseline}
     values = {name for name in ADVANTAGE_ESTIMATORS.names() if ADVANTAGE_ESTIMATORS.get(name).needs_values}
-    assert needs_groups == {"grpo", "drgrpo", "rloo"} and baseline == {"remax"} and values == {"gae"}
+    process = {name for name in ADVANTAGE_ESTIMATORS.names()
+               if ADVANTAGE_ESTIMATORS.get(name).needs_process_rewards}
+    assert needs_groups == {"grpo", "drgrpo", "rloo", "prime"} and baseline == {"remax"} and values == {"gae"}
+    assert process == {"prime"}
 
 
 def _parse(model, *overrides):
