@@ -128,7 +128,7 @@ def test_prime_at_tp2_trains_its_prm_on_the_outcome_labels(tiny_models, arithmet
     # the update is on responses the PRM has not seen and the rewards' accuracy is after training on them.
     result = torchrun(2, ROOT / "launchers/train_ppo.py", "--config", "configs/prime_quickstart.yaml",
                       *_overrides(tiny_models["qwen2-tied"], arithmetic, tmp_path, "actor.tp=2", "actor.use_kl_loss=true",
-                                  "prime.ppo_mini_batch_size=4", f"reward.function={USER_REWARD}"),
+                                  "prime.ppo_mini_batch_size=4", "prime.optim.lr=1e-4", f"reward.function={USER_REWARD}"),
                       timeout=600)
     assert_succeeded(result)
     run_dir = tmp_path / "quickstart_prime"
