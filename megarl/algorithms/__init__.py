@@ -21,6 +21,12 @@ from megarl.algorithms.kl import (
     kl_penalty_rewards,
 )
 from megarl.algorithms.policy_loss import POLICY_LOSSES, PolicyLossParams
+from megarl.algorithms.prime import (  # also registers the prime estimator
+    implicit_accuracy,
+    implicit_sequence_rewards,
+    implicit_token_rewards,
+    outcome_cross_entropy,
+)
 from megarl.algorithms.value_loss import clipped_value_loss
 
 __all__ = [
@@ -34,10 +40,14 @@ __all__ = [
     "PolicyLossParams",
     "aggregate",
     "clipped_value_loss",
+    "implicit_accuracy",
+    "implicit_sequence_rewards",
+    "implicit_token_rewards",
     "keep_informative_groups",
     "kl_penalty_rewards",
     "masked_mean",
     "masked_whiten",
+    "outcome_cross_entropy",
     "overlong_penalty",
     "register_estimator",
     "reverse_kl_tokens",

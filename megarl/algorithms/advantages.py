@@ -19,6 +19,8 @@ the group of responses to the same prompt (sharing a group id).
                returns = A. (verl uses the per-token return-to-go minus b_i; both agree when the
                only reward is the outcome at the last token.)
     opd        on-policy distillation: the per-token reverse KL to a teacher (`distillation.py`).
+    prime      rloo's outcome advantage plus the returns of implicit process rewards, each
+               baselined leave-one-out (`megarl.algorithms.prime`).
 
 Sequence-level advantages are broadcast over the valid tokens of their response. "Whitened" is
 (x - mean) / sqrt(var + 1e-8) with the masked mean and unbiased masked variance (verl masked_whiten)
@@ -62,6 +64,12 @@ class AdvantageInputs:
     """A teacher model's log-probs of the same tokens (opd only)."""
     task_reward_weight: float = 0.0
     """opd: weight of the task reward's advantage added to the distillation advantage."""
+    process_rewards_BR: Tensor | None = None
+    """Implicit process reward of each response token (prime only)."""
+    outcome_weight: float = 1.0
+    """prime: weight of the outcome reward's advantage."""
+    process_weight: float = 1.0
+    """prime: weight of the process rewards' returns."""
     gamma: float = 1.0
     lam: float = 1.0
     norm_by_std: bool = True
@@ -79,7 +87,8 @@ ADVANTAGE_ESTIMATORS: Registry[Callable[[AdvantageInputs], tuple[Tensor, Tensor]
 
 
 def register_estimator(name: str, *, needs_groups: bool = False, needs_greedy_baseline: bool = False,
-                       needs_values: bool = False, needs_teacher: bool = False):
+                       needs_values: bool = False, needs_teacher: bool = False,
+                       needs_process_rewards: bool = False):
     """Register an estimator with what it needs from the trainer, as attributes of the function, so
     that the trainer asks the estimator rather than branching on its name:
 
@@ -90,11 +99,14 @@ def register_estimator(name: str, *, needs_groups: bool = False, needs_greedy_ba
     needs_values           its inputs include critic values (values_BR): a run choosing it needs a critic
     needs_teacher          its inputs include a teacher's log-probs (teacher_logprobs_BR): a run choosing
                            it needs teacher.path
+    needs_process_rewards  its inputs include implicit process rewards (process_rewards_BR), which the
+                           trainer's PRIME reward model gives
     """
 
     def add(estimator):
         estimator.needs_groups, estimator.needs_greedy_baseline = needs_groups, needs_greedy_baseline
         estimator.needs_values, estimator.needs_teacher = needs_values, needs_teacher
+        estimator.needs_process_rewards = needs_process_rewards
         return ADVANTAGE_ESTIMATORS.register(name)(estimator)
 
     return add
@@ -124,12 +136,29 @@ def _group_statistics(scores_B: Tensor, group_ids_B: Tensor) -> tuple[Tensor, Te
     return size_G[group_B], sum_G[group_B], mean_G[group_B], std_G[group_B]
 
 
+def leave_one_out_means(scores_B: Tensor, group_ids_B: Tensor) -> tuple[Tensor, Tensor]:
+    """(mean_{j in G(i), j != i} score_j, whether G(i) has another member) of each sample; the mean is 0
+    in a group of one, which has no baseline. (B,), (B,) bool"""
+    size_B, sum_B, _, _ = _group_statistics(scores_B, group_ids_B)
+    return (sum_B - scores_B) / (size_B - 1).clamp(min=1), size_B > 1
+
+
+def returns_to_go(rewards_BR: Tensor, gamma: float) -> Tensor:
+    """G_t = sum_{k >= t} gamma^{k-t} r_k along each row (rewards already zero at padding)."""
+    returns_BR = torch.zeros_like(rewards_BR)
+    running_B = torch.zeros_like(rewards_BR[:, 0])
+    for t in reversed(range(rewards_BR.shape[1])):
+        running_B = rewards_BR[:, t] + gamma * running_B
+        returns_BR[:, t] = running_B
+    return returns_BR
+
+
 def _broadcast(advantages_B: Tensor, mask_BR: Tensor) -> tuple[Tensor, Tensor]:
     advantages_BR = advantages_B.unsqueeze(-1) * mask_BR
     return advantages_BR, advantages_BR
 
 
-def _outcome_scores(inputs: AdvantageInputs) -> Tensor:
+def outcome_scores(inputs: AdvantageInputs) -> Tensor:
     return (inputs.token_rewards_BR * inputs.mask_BR).sum(dim=-1)
 
 
@@ -157,7 +186,7 @@ def gae(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
 @register_estimator("grpo", needs_groups=True)
 @torch.no_grad()
 def grpo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
-    scores_B = _outcome_scores(inputs)
+    scores_B = outcome_scores(inputs)
     size_B, _, mean_B, std_B = _group_statistics(scores_B, inputs.group_ids_B)
     # A group of one has no baseline: mean 0 and std 1, as in verl.
     mean_B = torch.where(size_B > 1, mean_B, torch.zeros_like(mean_B))
@@ -176,22 +205,17 @@ def drgrpo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
 @register_estimator("rloo", needs_groups=True)
 @torch.no_grad()
 def rloo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
-    scores_B = _outcome_scores(inputs)
-    size_B, sum_B, _, _ = _group_statistics(scores_B, inputs.group_ids_B)
-    leave_one_out_mean_B = (sum_B - scores_B) / (size_B - 1).clamp(min=1)
-    advantages_B = torch.where(size_B > 1, scores_B - leave_one_out_mean_B, torch.zeros_like(scores_B))
+    scores_B = outcome_scores(inputs)
+    baseline_B, has_baseline_B = leave_one_out_means(scores_B, inputs.group_ids_B)
+    advantages_B = torch.where(has_baseline_B, scores_B - baseline_B, torch.zeros_like(scores_B))
     return _broadcast(advantages_B, inputs.mask_BR)
 
 
 @register_estimator("reinforce_plus_plus")
 @torch.no_grad()
 def reinforce_plus_plus(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
-    rewards_BR, mask_BR = inputs.token_rewards_BR * inputs.mask_BR, inputs.mask_BR
-    returns_BR = torch.zeros_like(rewards_BR)
-    running_B = torch.zeros_like(rewards_BR[:, 0])
-    for t in reversed(range(rewards_BR.shape[1])):
-        running_B = rewards_BR[:, t] + inputs.gamma * running_B
-        returns_BR[:, t] = running_B
+    mask_BR = inputs.mask_BR
+    returns_BR = returns_to_go(inputs.token_rewards_BR * mask_BR, inputs.gamma)
     return masked_whiten(returns_BR, mask_BR, inputs.sum_over_batch) * mask_BR, returns_BR * mask_BR
 
 
@@ -200,4 +224,4 @@ def reinforce_plus_plus(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
 def remax(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     if inputs.baseline_rewards_B is None:
         raise ValueError("advantage estimator 'remax' needs baseline_rewards_B (greedy-response rewards)")
-    return _broadcast(_outcome_scores(inputs) - inputs.baseline_rewards_B, inputs.mask_BR)
+    return _broadcast(outcome_scores(inputs) - inputs.baseline_rewards_B, inputs.mask_BR)

@@ -24,6 +24,7 @@ from megarl.config.schema import (
     LOGGERS,
     LR_DECAY_STYLES,
     OPTIMIZERS,
+    PRIME_UPDATES,
     RESUME_MODES,
     EngineConfig,
     RunConfig,
@@ -85,6 +86,10 @@ def validate(config: RunConfig) -> None:
     _check_supported("actor.cp", actor.cp, "context parallelism is not implemented")
     _check_engine("actor", actor)
     _check_engine("critic", config.critic)
+    _check_engine("prime", config.prime)
+    _check_choice("prime.update", config.prime.update, PRIME_UPDATES)
+    if config.prime.beta <= 0:
+        raise ConfigError(f"config key 'prime.beta' = {config.prime.beta} is out of range; allowed: numbers > 0")
     _check_at_least("data.train_batch_size", config.data.train_batch_size, 1)
     _check_at_least("rollout.tp", config.rollout.tp, 1)
     _check_choice("algorithm.kl_ctrl.type", config.algorithm.kl_ctrl.type, KL_CONTROLLERS)

@@ -18,6 +18,7 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine")
 KL_CONTROLLERS = ("fixed", "adaptive")
 RESUME_MODES = ("auto", "disable", "path")
 LOGGERS = ("console", "mlflow")
+PRIME_UPDATES = ("before", "after")
 
 
 @dataclass
@@ -221,6 +222,32 @@ class TeacherConfig:
 
 
 @dataclass
+class PrimeConfig(EngineConfig):
+    """PRIME's implicit process reward model (`algorithm.adv_estimator=prime`, `megarl.algorithms.prime`):
+    a causal LM trained online on the outcome labels, with a frozen reference."""
+
+    path: str = ""
+    """HF directory the PRM starts from, which is also its frozen reference; empty: model.path (the SFT
+    model), whose reference is then the run's reference model when it has one."""
+
+    beta: float = 0.05
+    """Scale of the implicit reward beta * log(pi_prm / pi_ref), token and sequence alike."""
+
+    correct_threshold: float = 0.5
+    """A response is labelled correct when the reward function's score exceeds this value."""
+
+    update: str = "before"
+    """One of PRIME_UPDATES: before (the paper's order: train the PRM on the step's responses, then score
+    them with it) or after (score them first, then train: one PRM forward when the update is one step)."""
+
+    outcome_weight: float = 1.0
+    """Weight of the outcome reward's leave-one-out advantage."""
+
+    process_weight: float = 1.0
+    """Weight of the implicit process rewards' leave-one-out returns."""
+
+
+@dataclass
 class DataConfig:
     """Prompts in the common RL parquet layout (prompt, data_source, reward_model, extra_info)."""
 
@@ -306,7 +333,8 @@ class KLControlConfig:
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
-    """Registered advantage estimator: gae, grpo, drgrpo, rloo, reinforce_plus_plus, remax, opd (needs teacher)."""
+    """Registered advantage estimator: gae, grpo, drgrpo, rloo, reinforce_plus_plus, remax, opd (needs teacher),
+    prime."""
 
     gamma: float = 1.0
     """Discount factor."""
@@ -418,6 +446,12 @@ class RunConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model (PPO with GAE)."""
 
+    prime: PrimeConfig = field(default_factory=PrimeConfig)
+    """PRIME's implicit process reward model (used when algorithm.adv_estimator=prime)."""
+
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """The teacher of on-policy distillation."""
+
     data: DataConfig = field(default_factory=DataConfig)
     """Training and validation prompts."""
 
@@ -432,6 +466,3 @@ class RunConfig:
 
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """The training loop: length, seed, where outputs go."""
-
-    teacher: TeacherConfig = field(default_factory=TeacherConfig)
-    """The teacher of on-policy distillation."""

@@ -1,4 +1,4 @@
-"""The actor's and critic's losses, assembled from the registered pure functions.
+"""The actor's, critic's and PRIME reward model's losses, assembled from the registered pure functions.
 
 Each loss is computed per micro-batch but normalised by the counts of the whole mini-batch (the
 engine's `LossNormalizer`), so per-micro-batch losses and metrics are contributions that add up
@@ -15,9 +15,12 @@ from megarl.algorithms import (
     PolicyLossParams,
     aggregate,
     clipped_value_loss,
+    implicit_accuracy,
+    implicit_sequence_rewards,
+    outcome_cross_entropy,
     truncated_importance_weights,
 )
-from megarl.config.schema import ActorConfig, CriticConfig
+from megarl.config.schema import ActorConfig, CriticConfig, PrimeConfig
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.megatron_engine import LossFn, LossNormalizer
 
@@ -73,5 +76,23 @@ def critic_loss(config: CriticConfig) -> LossFn:
         for name, value in value_metrics.items():
             metrics[f"critic/{name}"] = _as_contribution(torch.as_tensor(value), micro_batch, normalizer)
         return loss, metrics
+
+    return loss_fn
+
+
+def prm_loss(config: PrimeConfig) -> LossFn:
+    """PRIME's cross-entropy of the implicit sequence reward against the outcome labels, a mean over the
+    mini-batch's responses; the batch carries the reference's log-probs ("prm_ref_logprobs") and each
+    response's 0/1 label on its tokens ("prm_labels")."""
+
+    def loss_fn(outputs: dict, micro_batch: SequenceBatch, normalizer: LossNormalizer):
+        device = outputs["logprobs"].device
+        tensors = {k: v.to(device) for k, v in micro_batch.response_tensors.items()}
+        mask_BR = micro_batch.response_mask_BR.to(device)
+        rewards_B = implicit_sequence_rewards(outputs["logprobs"], tensors["prm_ref_logprobs"], mask_BR, config.beta)
+        labels_B = tensors["prm_labels"][:, 0]  # every response has a first token
+        loss = outcome_cross_entropy(rewards_B, labels_B).sum() / normalizer.num_sequences
+        accuracy = implicit_accuracy(rewards_B.detach(), labels_B).sum() / normalizer.num_sequences
+        return loss, {"prime/prm_loss": loss.detach(), "prime/prm_accuracy": accuracy}
 
     return loss_fn

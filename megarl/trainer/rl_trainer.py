@@ -2,13 +2,13 @@
 
     reshard -> rollout -> reward -> score -> advantage -> update -> log
 
-Models: the actor (trained), an optional reference (KL), an optional critic (GAE), an optional
-reward model and an optional teacher (on-policy distillation), all megatron-core models on the
-actor's layout, and one colocated rollout engine per TP_r ranks. The engines split the step's
-prompts and score each response once; every rank learns the scores (`megarl.trainer.rollouts`),
-and each DP rank then receives its share of whole groups (the n responses of a prompt), balanced
-by tokens within every mini-batch (`megarl.trainer.shares`), and scores, computes advantages and
-trains on that share alone.
+Models: the actor (trained), an optional reference (KL), an optional critic (GAE), PRIME's implicit
+PRM (`megarl.trainer.prime`), an optional teacher (on-policy distillation, `megarl.trainer.teacher`)
+and an optional reward model, all megatron-core models on the actor's layout, and one colocated
+rollout engine per TP_r ranks. The engines split the step's prompts and score each response once;
+every rank learns the scores (`megarl.trainer.rollouts`), and each DP rank then receives its share
+of whole groups (the n responses of a prompt), balanced by tokens within every mini-batch
+(`megarl.trainer.shares`), and scores, computes advantages and trains on that share alone.
 The step's numbers are reduced over DP as tensors (`megarl.trainer.metrics`).
 
 Memory is shared in time: between phases the rollout engine sleeps and the Megatron models are
@@ -53,6 +53,7 @@ from megarl.trainer.metrics import (
     update_metrics,
 )
 from megarl.trainer.policy import EngineSettings, RolloutPolicy
+from megarl.trainer.prime import ImplicitPRM
 from megarl.trainer.rollouts import Rollouts, collect_rollouts
 from megarl.trainer.scores import first_groups, informative, reward_model_scores, sequence_rewards
 from megarl.trainer.shares import sum_over_shares, take_share
@@ -97,6 +98,7 @@ class RLTrainer:
         if config.teacher.path:
             self.teacher = self._engine(teacher_engine_config(config.actor, config.teacher.micro_batch_size_per_rank),
                                         trainable=False, path=config.teacher.path)
+        self.prm = self._implicit_prm() if self.estimator.needs_process_rewards else None
         self.reward_model = None
         if config.reward.reward_model_path:
             self.reward_model = self._engine(EngineConfig(), trainable=False, path=config.reward.reward_model_path)
@@ -120,7 +122,8 @@ class RLTrainer:
     # ---- set-up -----------------------------------------------------------------------------------
 
     def _trainable(self) -> dict[str, MegatronEngine]:
-        return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+        return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {}),
+                **({"prm": self.prm.engine} if self.prm is not None else {})}
 
     def _optimizer_steps(self, engine_config: EngineConfig) -> int:
         per_step = math.ceil(self.config.data.train_batch_size / engine_config.ppo_mini_batch_size)
@@ -132,14 +135,25 @@ class RLTrainer:
                               total_optimizer_steps=self._optimizer_steps(engine_config) if trainable else None,
                               value_head=value)
 
+    def _implicit_prm(self) -> ImplicitPRM:
+        """PRIME's PRM and its frozen reference: the run's reference model when both start from model.path."""
+        prime = self.config.prime
+        path = prime.path or self.config.model.path
+        engine = self._engine(prime, trainable=True, path=path)
+        same_start = self.reference is not None and path == self.config.model.path
+        return ImplicitPRM(prime, engine, self.reference if same_start else self._engine(prime, False, path=path))
+
     def _rollout_policy(self) -> RolloutPolicy:
         config = self.config
         rollout, data = config.rollout, config.data
         settings = EngineSettings(rollout.backend, config.model.path, config.model.dtype, rollout.tp,
                                   data.max_prompt_length + data.max_response_length, rollout.kv_cache_mib << 20,
                                   rollout.gpu_memory_utilization, config.trainer.seed, rollout.bucket_mib << 20)
-        # The reference and the teacher follow `actor.offload`.
-        offloading = [engine.memory for engine in (self.actor, self.reference, self.critic, self.teacher)
+        # The reference and the teacher follow `actor.offload`; the PRM's reference is the run's or
+        # follows `prime.offload`.
+        prm = (self.prm.engine, self.prm.reference) if self.prm is not None else ()
+        offloading = [engine.memory
+                      for engine in dict.fromkeys((self.actor, self.reference, self.critic, self.teacher, *prm))
                       if engine is not None and engine.config.offload]
         return RolloutPolicy(self.actor.module, self.actor.arch, self.layout, settings, offloading, self.actor.memory,
                              weights_version=lambda: self.actor.weights_version)
@@ -215,6 +229,12 @@ class RLTrainer:
                                                       batch.response_lengths_B)
         self._check(batch, "score", () if old_from_update else ("old_logprobs",))
         stats = ShareStats()
+        prm_history = []
+        if self.prm is not None:
+            with timer("update_prm"):
+                prm_history = self.prm.process_rewards(batch, group_ids_B, num_groups, torch.tensor(local.scores),
+                                                       seed, step, stats)
+            self._check(batch, "update_prm", ("process_rewards",))
         with timer("advantage"):
             share_baseline_B = baseline_B[share.indices] if baseline_B is not None else None
             self._advantages(batch, group_ids_B, scores, share_baseline_B, stats)
@@ -241,7 +261,8 @@ class RLTrainer:
             self.kl_ctrl.update(metrics["actor/reward_kl"], len(rollouts))
             metrics["actor/reward_kl_coef"] = self.kl_ctrl.value
         return {**metrics, **run_metrics(rollouts, rounds), **sync_metrics(sync),
-                **update_metrics("actor", actor_history), **update_metrics("critic", critic_history), **timer.metrics()}
+                **update_metrics("actor", actor_history), **update_metrics("critic", critic_history),
+                **update_metrics("prime", prm_history), **timer.metrics()}
 
     def _generate_training_rollouts(self, step: int) -> tuple[Rollouts, int]:
         """A batch of prompts; with DAPO's group filtering, more prompts until the batch is full of
@@ -298,6 +319,8 @@ class RLTrainer:
             values_BR=tensors.get("values"), baseline_rewards_B=baseline_B, gamma=algorithm.gamma, lam=algorithm.lam,
             student_logprobs_BR=tensors.get("old_logprobs"), teacher_logprobs_BR=tensors.get("teacher_logprobs"),
             task_reward_weight=self.config.teacher.task_reward_weight,
+            process_rewards_BR=tensors.get("process_rewards"), outcome_weight=self.config.prime.outcome_weight,
+            process_weight=self.config.prime.process_weight,
             norm_by_std=algorithm.norm_adv_by_std, sum_over_batch=lambda sums: sum_over_shares(sums, self.layout),
         ))
         tensors["advantages"], tensors["returns"] = advantages_BR * mask_BR, returns_BR * mask_BR

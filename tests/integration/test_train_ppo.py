@@ -1,12 +1,13 @@
 """The real launchers for a few steps: PPO with a critic at TP2xPP2xDP2 against TP1, GRPO with a KL
-loss at DP1 and DP2, on-policy distillation at PP2. (PPO with a critic at TP2 and its validation,
-curves and config in mlflow: test_checkpoint_resume.py's uninterrupted runs.)
+loss at DP1 and DP2, on-policy distillation at PP2, PRIME at TP2. (PPO with a critic at TP2 and its
+validation, curves and config in mlflow: test_checkpoint_resume.py's uninterrupted runs.)
 
 Each run logs to a local mlflow store, which the test reads back with mlflow's own client.
 """
 
 from __future__ import annotations
 
+import math
 import shutil
 import subprocess
 import sys
@@ -139,6 +140,23 @@ def test_opd_at_pp2_with_the_student_as_teacher_has_zero_kl(tiny_models, arithme
         assert max(abs(v) for v in _values(run, "quickstart_grpo", metric)) < 1e-5, metric
     # The teacher's log-probs are real ones: a near-uniform tiny model over 101 tokens at T=0.7.
     assert all(-5.0 < v < -1.0 for v in _values(run, "quickstart_grpo", "teacher/logprob_mean"))
+def test_prime_at_tp2_trains_its_prm_on_the_outcome_labels(tiny_models, arithmetic, tmp_path):
+    # The PRM starts from the SFT model and shares the run's reference (the KL loss builds it); one PRM
+    # optimizer step per RL step, before the rewards (the paper's order), so the step's accuracy before
+    # the update is on responses the PRM has not seen and the rewards' accuracy is after training on them.
+    result = torchrun(2, ROOT / "launchers/train_ppo.py", "--config", "configs/prime_quickstart.yaml",
+                      *_overrides(tiny_models["qwen2-tied"], arithmetic, tmp_path, "actor.tp=2", "actor.use_kl_loss=true",
+                                  "prime.ppo_mini_batch_size=4", "prime.optim.lr=1e-4", f"reward.function={USER_REWARD}"),
+                      timeout=600)
+    assert_succeeded(result)
+    run_dir = tmp_path / "quickstart_prime"
+    for metric in ("prime/prm_loss", "prime/token_reward/mean", "prime/grad_norm", "advantages/mean"):
+        assert _logged(run_dir, "quickstart_prime", metric) == [1, 2], metric
+    before, after = (_values(run_dir, "quickstart_prime", f"prime/{m}") for m in ("prm_accuracy", "reward_accuracy"))
+    # At the first step the PRM equals its reference: every implicit reward is 0, P(correct) one half.
+    assert before[0] == 0.5 and _values(run_dir, "quickstart_prime", "prime/prm_loss")[0] == pytest.approx(math.log(2))
+    # The cross-entropy step raises the PRM's accuracy at telling the step's correct responses from the others.
+    assert all(a > b for a, b in zip(after, before)), (before, after)
 
 
 def _launch_one(*args):

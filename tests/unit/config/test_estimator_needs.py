@@ -15,8 +15,10 @@ def test_group_relative_estimators_declare_that_they_need_groups():
                 if ADVANTAGE_ESTIMATORS.get(name).needs_greedy_baseline}
     values = {name for name in ADVANTAGE_ESTIMATORS.names() if ADVANTAGE_ESTIMATORS.get(name).needs_values}
     teacher = {name for name in ADVANTAGE_ESTIMATORS.names() if ADVANTAGE_ESTIMATORS.get(name).needs_teacher}
-    assert needs_groups == {"grpo", "drgrpo", "rloo"} and baseline == {"remax"} and values == {"gae"}
-    assert teacher == {"opd"}
+    process = {name for name in ADVANTAGE_ESTIMATORS.names()
+               if ADVANTAGE_ESTIMATORS.get(name).needs_process_rewards}
+    assert needs_groups == {"grpo", "drgrpo", "rloo", "prime"} and baseline == {"remax"} and values == {"gae"}
+    assert teacher == {"opd"} and process == {"prime"}
 
 
 def _parse(model, *overrides):

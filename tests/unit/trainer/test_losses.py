@@ -1,12 +1,15 @@
-"""The actor loss without recorded old log-probs: the update's own forward stands in for them."""
+"""The actor loss without recorded old log-probs (the update's own forward stands in for them), truncated
+importance weights, and PRIME's PRM loss, against gradients by hand."""
+
+import math
 
 import pytest
 import torch
 
-from megarl.config.schema import ActorConfig
+from megarl.config.schema import ActorConfig, PrimeConfig
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.megatron_engine import LossNormalizer
-from megarl.trainer.losses import actor_loss
+from megarl.trainer.losses import actor_loss, prm_loss
 
 
 def _batch() -> SequenceBatch:
@@ -67,3 +70,26 @@ def test_truncated_importance_weights_scale_each_tokens_loss():
             tokens += 1
     entropy = float((torch.rand(4, 5, generator=torch.Generator().manual_seed(1)) * mask).sum()) / tokens
     assert float(loss) == pytest.approx(expected / tokens - config.entropy_coeff * entropy, abs=1e-6)
+
+
+def test_prm_loss_gradient_is_beta_times_sigmoid_minus_label():
+    # d CE / d log pi_prm(y_t) = beta * (sigmoid(r(y)) - label) at every valid token of y, over the
+    # mini-batch's sequence count (here twice this micro-batch's: another micro-batch holds the rest).
+    batch = _batch()
+    mask = batch.response_mask_BR
+    generator = torch.Generator().manual_seed(3)
+    reference = -torch.rand(4, 5, generator=generator) * mask
+    labels = [1.0, 0.0, 1.0, 0.0]
+    batch.response_tensors["prm_ref_logprobs"] = reference
+    batch.response_tensors["prm_labels"] = torch.tensor(labels)[:, None] * mask
+    logprobs = (-torch.rand(4, 5, generator=generator) * mask).requires_grad_()
+    loss, metrics = prm_loss(PrimeConfig(beta=0.1))({"logprobs": logprobs}, batch, LossNormalizer(100, 8))
+    loss.backward()
+    rewards = [0.1 * float(((logprobs[i] - reference[i]) * mask[i]).sum()) for i in range(4)]
+    sigmoid = [1 / (1 + math.exp(-r)) for r in rewards]
+    expected_grad = torch.tensor([0.1 * (sigmoid[i] - labels[i]) / 8 for i in range(4)])[:, None] * mask
+    assert torch.allclose(logprobs.grad, expected_grad, atol=1e-7)
+    expected_loss = sum(-math.log(s) if y else -math.log(1 - s) for s, y in zip(sigmoid, labels)) / 8
+    assert loss.item() == pytest.approx(expected_loss, rel=1e-6)
+    right = sum((r > 0) == (y == 1.0) for r, y in zip(rewards, labels))
+    assert metrics["prime/prm_accuracy"].item() == pytest.approx(right / 8)
