@@ -39,6 +39,10 @@ class RolloutOutput:
     """Log-probability of each sampled token under the engine's (temperature-scaled) distribution."""
     finish_reasons: list[str] = field(default_factory=list)
     """"stop" (a stop token or EOS) or "length"."""
+    routed_experts: list[torch.Tensor] = field(default_factory=list)
+    """Mixture-of-experts engines: the (P + R - 1, num MoE layers, top-k) int16 expert ids each token
+    of prompt + response was routed to (all but the last response token, which the engine never
+    ran); empty for dense models and for backends that do not record routing."""
 
 
 class RolloutEngine(Protocol):
