@@ -21,8 +21,8 @@ import torch
 _STEPS = "_megarl_routing_steps"
 
 
-def bind_on_worker(worker) -> int:
-    """Hook every MoE router of the worker's model; returns the number of MoE layers."""
+def bind_on_worker(worker) -> None:
+    """Hook every MoE router of the worker's model."""
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
     runner = worker.model_runner
@@ -37,10 +37,9 @@ def bind_on_worker(worker) -> int:
                           topk_ids.numpy(force=True).astype(np.int16)))
 
         module.router.set_capture_fn(capture)
-    return len(layers)
 
 
-def take_on_worker(worker, num_layers: int) -> dict[str, np.ndarray]:
+def take_on_worker(worker, num_layers: int, topk: int) -> dict[str, np.ndarray]:
     """Each request's (positions, layers, k) int16 expert ids recorded since the last call, by
     vLLM's internal request id; forgets them."""
     steps = getattr(worker.model_runner, _STEPS)
@@ -49,7 +48,6 @@ def take_on_worker(worker, num_layers: int) -> dict[str, np.ndarray]:
         for index in np.unique(req_indices):
             request = req_ids[index]
             lengths[request] = max(lengths.get(request, 0), int(positions[req_indices == index].max()) + 1)
-    topk = steps[0][4].shape[1] if steps else 0
     routing = {request: np.zeros((length, num_layers, topk), dtype=np.int16) for request, length in lengths.items()}
     for layer, req_ids, req_indices, positions, ids in steps:
         for index in np.unique(req_indices):
