@@ -192,7 +192,8 @@ class ActorConfig(EngineConfig, ParallelConfig):
     router_replay: bool = False
     """Mixture-of-experts models: route every token, in scoring and updates, to the experts the rollout
     engine routed it to (R3), instead of the router's own top-k; the router still weighs them. Without
-    it, `actor/moe/routing_agreement` shows how often the two routings agree. Dense models: an error."""
+    it, `actor/moe/routing_agreement` shows how often the two routings agree. The reference model
+    routes on its own. Dense models: an error."""
 
 
 @dataclass

@@ -47,6 +47,7 @@ class RoutingReplay:
         self.layers: list[_LayerReplay] = []
         for router in module.modules():
             if isinstance(router, TopKRouter):
+                assert not router.config.moe_router_fusion, "megatron's fused top-k never consults RouterReplay"
                 router.router_replay = _LayerReplay(self, router.layer_number - 1)  # every layer is an MoE layer
                 self.layers.append(router.router_replay)
 

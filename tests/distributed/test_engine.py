@@ -50,6 +50,7 @@ def test_tp1_scores_match_transformers_and_the_step_moves_weights(baseline, tiny
     report, weights = baseline
     assert report["logprob_entropy_diff"] <= 1e-4 and report["value_diff"] <= 1e-4
     assert report["kept_outputs_vs_score"] <= 1e-5
+    assert report["dense_router_replay_error"].startswith("actor.router_replay=true needs a mixture-of-experts")
     source = _weights(tiny_models["qwen3-untied"])
     moved = max(float((weights[name] - source[name]).abs().max()) for name in source)
     assert 5e-4 < moved < 2e-3  # an AdamW step of lr 1e-3 moves weights by about lr
