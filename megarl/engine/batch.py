@@ -9,8 +9,8 @@ The logits that predict response token j of sequence i sit at position prompt_le
 Mixture-of-experts rollouts also carry the experts the rollout engine routed each token to
 (`routed_experts_BTLK`), token-aligned like `tokens_BT`: the actor replays them (router replay) and
 measures how often its own routing agrees. The engine ran every position but the last of each
-sequence (the last response token is never fed back); that position and the padding hold the
-placeholder ids 0..k-1, which route somewhere valid and count in no agreement.
+sequence (the last response token is never fed back); that position and the padding hold
+placeholder ids (experts 0..k-1), where the router keeps its own choice.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 def routing_placeholder(num_layers: int, topk: int) -> torch.Tensor:
     """(L, k) int16 expert ids of a position the rollout engine did not route: experts 0..k-1 in every
-    layer, distinct so that a top-k routing made of them is well formed."""
+    layer (valid, distinct ids: a well-formed top-k wherever they end up)."""
     return torch.arange(topk, dtype=torch.int16).expand(num_layers, topk)
 
 

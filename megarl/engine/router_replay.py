@@ -5,19 +5,22 @@ engine and megatron compute those scores with different kernels, so a near tie c
 and the trainer then scores (and trains) a token through experts the rollout never used: the
 largest source of train/inference mismatch for MoE RL. With replay, every router takes the
 rollout's expert ids for each token (`SequenceBatch.routed_experts_BTLK`) and only weighs them by
-its own scores, so gradients still reach the router.
+its own scores, so gradients still reach the router. Tokens the rollout did not route (each
+sequence's last token, padding) keep the router's own choice, as without replay.
 
 megatron-core's `RouterReplay` is the hook: a router holding one calls its `get_replay_topk` in
 place of its own top-k. megatron creates one per router from `moe_enable_routing_replay`; the engine
-attaches its own (`RoutingReplay.attach`) to the model it loaded. Each also computes the router's
-own top-k, for the agreement metric: the share of (token, layer) pairs the rollout recorded whose
-top-k expert *sets* equal what the router would pick itself (with or without replay).
+attaches its own subclass to the routers of the model it loaded (`RoutingReplay`). Each also
+computes the router's own top-k, for the agreement metric: the share of (token, layer) pairs the
+rollout recorded whose top-k expert *sets* equal what the router would pick itself (with or
+without replay, so the runs compare).
 
 Which ids a forward uses: each micro-batch's forward step hands every router its rows
-(`set_micro_batch`, after megatron's `set_target_indices`, which also queues them). A forward takes
-the newest; a full-recompute pass (megatron's checkpointing runs a layer's forward without grad,
-then again with grad in the backward) takes the queue's oldest, since backwards run in the order of
-their forwards under every pipeline schedule. Agreement counts the first pass only.
+(`set_micro_batch`; megatron's `set_target_indices` keeps the newest and queues each). A forward
+takes the newest; a full-recompute pass (megatron's checkpointing runs a layer's forward without
+grad, then again with grad in the backward) takes the queue's oldest, since backwards run in the
+order of their forwards under every pipeline schedule (megatron's REPLAY_FORWARD and
+REPLAY_BACKWARD). Agreement counts the first pass only.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe.router import TopKRouter
-from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+from megatron.core.transformer.moe.router_replay import RouterReplay
 
 from megarl import device
 from megarl.distributed.layout import ParallelLayout
@@ -62,8 +65,10 @@ class RoutingReplay:
         (`megarl.engine.packing.router_rows`), all of the model's layers."""
         rank, size = self.sequence_parallel
         ids_NLK, recorded_N = ids_NLK.chunk(size)[rank], recorded_N.chunk(size)[rank]
-        ids_NLK = ids_NLK.to(device=self.counts.device, dtype=torch.long)
         self.recorded_N = recorded_N.to(self.counts.device)
+        # -1: no rollout routing; the router's own choice stands (`_LayerReplay.get_replay_topk`).
+        ids_NLK = ids_NLK.to(device=self.counts.device, dtype=torch.long)
+        ids_NLK = ids_NLK.masked_fill(~self.recorded_N[:, None, None], -1)
         for layer in self.layers:
             layer.set_target_indices(ids_NLK[:, layer.layer].contiguous())
 
@@ -100,13 +105,14 @@ class _LayerReplay(RouterReplay):
         self.owner, self.layer = owner, layer
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-        own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        own_probs, own_Nk = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
         if not self.owner.active:
-            return own
+            return own_probs, own_Nk
         recomputing = self.owner.recomputes and torch.is_grad_enabled()
+        target_Nk = self.replay_backward_list.pop(0) if recomputing else self.target_topk_idx
         if not recomputing:
-            self.owner.count(own[1], self.target_topk_idx)
+            self.owner.count(own_Nk, target_Nk)
         if not self.owner.replay:
-            return own
-        self.router_replay_action = RouterReplayAction.REPLAY_BACKWARD if recomputing else RouterReplayAction.REPLAY_FORWARD
-        return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+            return own_probs, own_Nk
+        replayed_Nk = torch.where(target_Nk >= 0, target_Nk, own_Nk)
+        return scores.gather(1, replayed_Nk), replayed_Nk  # as megatron's REPLAY_FORWARD / REPLAY_BACKWARD
