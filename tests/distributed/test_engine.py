@@ -197,5 +197,5 @@ def test_router_replay_routes_every_recorded_token_as_the_rollout_did(moe_run):
     assert 0 < replayed["moe/routing_agreement"] < 1
     assert replayed_pp2["moe/routing_agreement"] == pytest.approx(replayed["moe/routing_agreement"], abs=1e-12)
     assert replayed["loss"] != own["loss"]
-    assert replayed_pp2["loss"] == pytest.approx(replayed["loss"], abs=1e-6)
+    assert replayed_pp2["loss"] == pytest.approx(replayed["loss"], abs=1e-5)  # seen 1e-6 apart: sums in another order
     assert replayed_pp2["grad_norm"] == pytest.approx(replayed["grad_norm"], rel=1e-5)
