@@ -190,6 +190,12 @@ class ActorConfig(EngineConfig, ParallelConfig):
     """Truncated importance sampling against train/inference mismatch: weight each token by
     min(p_train / p_rollout, tis_cap); 0 disables."""
 
+    router_replay: bool = False
+    """Mixture-of-experts models: route every token, in scoring and updates, to the experts the rollout
+    engine routed it to (R3), instead of the router's own top-k; the router still weighs them. Without
+    it, `actor/moe/routing_agreement` shows how often the two routings agree. The reference model
+    routes on its own. Dense models: an error."""
+
 
 @dataclass
 class CriticConfig(EngineConfig):

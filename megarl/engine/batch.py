@@ -5,6 +5,12 @@ attention, right padding never changes the outputs of real tokens, so no attenti
 Per-token quantities of responses (log-probs, values, advantages, masks) are *response-aligned*:
 (B, R) tensors whose column j is the j-th response token, right-padded to the longest response.
 The logits that predict response token j of sequence i sit at position prompt_length_i - 1 + j.
+
+Mixture-of-experts rollouts also carry the experts the rollout engine routed each token to
+(`routed_experts_BTLK`), token-aligned like `tokens_BT`: the actor replays them (router replay) and
+measures how often its own routing agrees. The engine ran every position but the last of each
+sequence (the last response token is never fed back); that position and the padding hold
+placeholder ids (experts 0..k-1), where the router keeps its own choice.
 """
 
 from __future__ import annotations
@@ -12,6 +18,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+
+def routing_placeholder(num_layers: int, topk: int) -> torch.Tensor:
+    """(L, k) int16 expert ids of a position the rollout engine did not route: experts 0..k-1 in every
+    layer (valid, distinct ids: a well-formed top-k wherever they end up)."""
+    return torch.arange(topk, dtype=torch.int16).expand(num_layers, topk)
+
+
+def right_pad_routing(routing: list[torch.Tensor], width: int) -> torch.Tensor:
+    """(B, width, L, k) int16: row i holds `routing[i]` ((n_i, L, k), n_i <= width) from position 0,
+    then the placeholder."""
+    num_layers, topk = routing[0].shape[1:]
+    padded = routing_placeholder(num_layers, topk).repeat(len(routing), width, 1, 1)
+    for i, ids in enumerate(routing):
+        padded[i, : len(ids)] = ids
+    return padded
 
 
 def right_pad(rows: list[list], pad_value, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -36,13 +58,20 @@ class SequenceBatch:
     response_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     """Per-token response-aligned (B, R) tensors carried for the loss: advantages, old log-probs..."""
 
+    routed_experts_BTLK: torch.Tensor | None = None
+    """MoE rollouts: (B, T, num MoE layers, top-k) int16 expert ids of each position, aligned with
+    `tokens_BT` (placeholder ids where the engine routed nothing); None otherwise."""
+
     @classmethod
     def from_sequences(cls, prompt_ids: list[list[int]], response_ids: list[list[int]], pad_token_id: int,
-                       response_tensors: dict[str, torch.Tensor] | None = None) -> SequenceBatch:
-        """The batch of `prompt_ids[i] + response_ids[i]`, right-padded."""
-        return cls(right_pad([p + r for p, r in zip(prompt_ids, response_ids)], pad_token_id),
-                   torch.tensor([len(p) for p in prompt_ids]), torch.tensor([len(r) for r in response_ids]),
-                   response_tensors or {})
+                       response_tensors: dict[str, torch.Tensor] | None = None,
+                       routed_experts: list[torch.Tensor] | None = None) -> SequenceBatch:
+        """The batch of `prompt_ids[i] + response_ids[i]`, right-padded; `routed_experts[i]`: the
+        (P_i + R_i - 1, L, k) expert ids the rollout engine routed that sequence's tokens to."""
+        tokens_BT = right_pad([p + r for p, r in zip(prompt_ids, response_ids)], pad_token_id)
+        routing = right_pad_routing(routed_experts, tokens_BT.shape[1]) if routed_experts else None
+        return cls(tokens_BT, torch.tensor([len(p) for p in prompt_ids]), torch.tensor([len(r) for r in response_ids]),
+                   response_tensors or {}, routing)
 
     def __len__(self) -> int:
         return self.tokens_BT.shape[0]
@@ -68,6 +97,11 @@ class SequenceBatch:
         positions = self.prompt_lengths_B[:, None] - 1 + columns_R[None, :]
         return torch.minimum(positions, self.sequence_lengths_B[:, None] - 2)
 
+    def routed_positions_BT(self) -> torch.Tensor:
+        """(B, T) bool: the positions whose routing the rollout engine recorded (all but each
+        sequence's last token, and no padding)."""
+        return torch.arange(self.tokens_BT.shape[1])[None, :] < self.sequence_lengths_B[:, None] - 1
+
     def response_tokens_BR(self) -> torch.Tensor:
         return self.tokens_BT.gather(1, self.response_positions_BR() + 1)
 
@@ -83,6 +117,8 @@ class SequenceBatch:
             prompt_lengths_B=prompt_lengths,
             response_lengths_B=response_lengths,
             response_tensors={k: v[indices, :width] for k, v in self.response_tensors.items()},
+            routed_experts_BTLK=(self.routed_experts_BTLK[indices, :length]
+                                 if self.routed_experts_BTLK is not None else None),
         )
 
     def widened_to_multiple(self, multiple: int) -> SequenceBatch:
@@ -92,7 +128,10 @@ class SequenceBatch:
         if not padding:
             return self
         tokens_BT = torch.nn.functional.pad(self.tokens_BT, (0, padding))
-        return SequenceBatch(tokens_BT, self.prompt_lengths_B, self.response_lengths_B, self.response_tensors)
+        routing = self.routed_experts_BTLK
+        if routing is not None:
+            routing = torch.cat([routing, routing_placeholder(*routing.shape[2:]).repeat(len(self), padding, 1, 1)], 1)
+        return SequenceBatch(tokens_BT, self.prompt_lengths_B, self.response_lengths_B, self.response_tensors, routing)
 
     def validate(self, max_sequence_length: int) -> None:
         """Reject batches the engine cannot run, naming the offending sequence."""
@@ -113,3 +152,7 @@ class SequenceBatch:
         for name, tensor in self.response_tensors.items():
             if tensor.shape[0] != len(self) or tensor.shape[1] < width:
                 raise ValueError(f"response tensor {name!r} has shape {tuple(tensor.shape)}; expected ({len(self)}, >={width})")
+        routing = self.routed_experts_BTLK
+        if routing is not None and routing.shape[:2] != self.tokens_BT.shape:
+            raise ValueError(f"routed_experts_BTLK has shape {tuple(routing.shape)}; expected "
+                             f"{tuple(self.tokens_BT.shape)} + (layers, top-k), aligned with tokens_BT")

@@ -17,7 +17,9 @@ Mixture-of-experts models (`arch.is_moe`) train at any expert-parallel size: meg
 expert gradients over the expert-data-parallel group and its optimizer keeps expert parameters in a
 second (chained) optimizer over that group; the grad norm is taken over both. Their routers' auxiliary
 losses (load balancing, z-loss) join the backward as token-means over the mini-batch but stay out of
-the reported losses; `RoutingStats` logs them with each layer's expert load.
+the reported losses; `RoutingStats` logs them with each layer's expert load. A trainable MoE engine
+also routes batches that carry the rollout's routing as the rollout did (`router_replay`), or only
+measures how often its own routing agrees (`megarl.engine.router_replay`).
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ from megarl.engine.batching import (
     token_imbalance,
 )
 from megarl.engine.memory import MemoryPhases
-from megarl.engine.packing import pack, padding_mask, response_output_rows
+from megarl.engine.packing import pack, padding_mask, response_output_rows, router_rows
+from megarl.engine.router_replay import RoutingReplay
 from megarl.engine.routing_stats import RoutingStats
 from megarl.models.builder import MoESettings, ScheduleSettings, resolve_layer_spec
 from megarl.models.hf_interop import load_hf_model
@@ -92,9 +95,11 @@ class MegatronEngine:
         model_path: str | None = None,
         total_optimizer_steps: int | None = None,
         value_head: bool = False,
+        router_replay: bool = False,
     ):
         """Load `model_path` (default `model_config.path`); trainable when `total_optimizer_steps` is set;
-        `value_head` turns a causal LM checkpoint into a value model (a critic's usual start)."""
+        `value_head` turns a causal LM checkpoint into a value model (a critic's usual start);
+        `router_replay` (MoE only) routes each token to the experts the rollout engine chose for it."""
         self.layout, self.config = layout, config
         trainable = total_optimizer_steps is not None
         self.loss_scaling = LossScaling()
@@ -118,11 +123,17 @@ class MegatronEngine:
         self.packed = resolve_layer_spec(model_config.layer_spec) == "transformer_engine"
         # Sequence parallelism splits each micro-batch's tokens over the TP ranks.
         self.sequence_multiple = layout.tp if self.module.config.sequence_parallel else 1
-        self.optimizer = self.scheduler = self.routing = None
+        if router_replay and not self.arch.is_moe:
+            raise ValueError(f"actor.router_replay=true needs a mixture-of-experts model; "
+                             f"{model_path or model_config.path} is dense")
+        self.optimizer = self.scheduler = self.routing = self.rollout_routing = None
         if trainable:
             self._make_trainable(model_config, total_optimizer_steps)
             if self.arch.is_moe:
                 self.routing = RoutingStats(self.module, self.arch.num_layers, self.arch.num_experts)
+                self.rollout_routing = RoutingReplay(
+                    self.module, router_replay, recomputes=config.recompute_activations,
+                    sequence_parallel_rank=layout.tp_rank, sequence_parallel_size=self.sequence_multiple)
         self.memory = MemoryPhases(self.model, self.optimizer)
 
     def _make_trainable(self, model_config: ModelConfig, total_optimizer_steps: int) -> None:
@@ -191,6 +202,7 @@ class MegatronEngine:
         if not self.packed:
             micro_batches = [mb.widened_to_multiple(self.sequence_multiple) for mb in micro_batches]
         data = iter(micro_batches)
+        replaying = self.rollout_routing is not None and batch.routed_experts_BTLK is not None
 
         def forward_step(data_iterator, model):
             micro_batch = next(data_iterator)
@@ -198,15 +210,23 @@ class MegatronEngine:
             # Routers leave padding out of their losses and of the expert load (dense models take no mask).
             moe_inputs = {"padding_mask": padding_mask(micro_batch, tokens.shape[1], self.packed).to(tokens.device)
                           } if self.arch.is_moe else {}
+            if replaying:
+                self.rollout_routing.set_micro_batch(*router_rows(micro_batch, tokens.shape[1], self.packed))
             output = model(tokens, positions, attention_mask=None, packed_seq_params=packed_seq_params, **moe_inputs)
             return output, partial(loss_func, micro_batch)
 
         longest = max(mb.tokens_BT.shape[1] for mb in micro_batches)
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=data, model=[self.model],
-            num_microbatches=len(micro_batches), seq_length=longest,
-            micro_batch_size=max(len(mb) for mb in micro_batches), forward_only=forward_only,
-        )
+        if self.rollout_routing is not None:
+            self.rollout_routing.begin(has_routing=replaying)
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=data, model=[self.model],
+                num_microbatches=len(micro_batches), seq_length=longest,
+                micro_batch_size=max(len(mb) for mb in micro_batches), forward_only=forward_only,
+            )
+        finally:
+            if self.rollout_routing is not None:
+                self.rollout_routing.end()
 
     def _model_inputs(self, micro_batch: SequenceBatch):
         """(tokens, positions, packed_seq_params): right-padded (b, T), or one packed (1, sum of lengths)
@@ -335,6 +355,8 @@ class MegatronEngine:
         )
         if self.routing is not None:
             metrics.update(self.routing.metrics(len(micro), self.layout))
+        if self.rollout_routing is not None and batch.routed_experts_BTLK is not None:
+            metrics.update(self.rollout_routing.metrics(weight, self.layout))
         return metrics, outputs
 
     def _reduce_metrics(self, collected: list[dict]) -> dict[str, float]:

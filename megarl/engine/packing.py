@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from megarl.engine.batch import SequenceBatch
+from megarl.engine.batch import SequenceBatch, routing_placeholder
 
 
 def cumulative_lengths(lengths_B: torch.Tensor) -> torch.Tensor:
@@ -51,3 +51,21 @@ def response_output_rows(batch: SequenceBatch, packed: bool) -> torch.Tensor:
     else:
         first_rows_B = batch.tokens_BT.shape[1] * torch.arange(len(batch))
     return (batch.response_positions_BR() + first_rows_B[:, None]).flatten()
+
+
+def router_rows(batch: SequenceBatch, width: int, packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids (N, L, k), recorded (N,)): the rollout's expert ids of every token of the model input in the
+    order megatron's routers see them, and whether the rollout recorded that token's routing.
+
+    Routers flatten their (sequence, batch) input sequence-major: padded (b, width) inputs give row
+    t * b + i for position t of sequence i; a packed (1, width) input gives its positions in order.
+    Padding rows hold the placeholder ids (`batch.routed_experts_BTLK`'s own padding)."""
+    routing_BTLK, recorded_BT = batch.routed_experts_BTLK, batch.routed_positions_BT()
+    if packed:
+        lengths = batch.sequence_lengths_B.tolist()
+        ids = torch.cat([row[:n] for row, n in zip(routing_BTLK, lengths)], 0)
+        ids = torch.cat([ids, routing_placeholder(*ids.shape[1:]).repeat(width - len(ids), 1, 1)], 0)
+        recorded = torch.cat([row[:n] for row, n in zip(recorded_BT, lengths)])
+        return ids, torch.nn.functional.pad(recorded, (0, width - len(recorded)))
+    assert routing_BTLK.shape[1] == width, "a padded micro-batch's routing is as wide as its tokens"
+    return routing_BTLK.transpose(0, 1).flatten(0, 1), recorded_BT.transpose(0, 1).flatten()

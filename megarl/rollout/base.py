@@ -39,9 +39,16 @@ class RolloutOutput:
     """Log-probability of each sampled token under the engine's (temperature-scaled) distribution."""
     finish_reasons: list[str] = field(default_factory=list)
     """"stop" (a stop token or EOS) or "length"."""
+    routed_experts: list[torch.Tensor] = field(default_factory=list)
+    """Mixture-of-experts engines: the (P + R - 1, num MoE layers, top-k) int16 expert ids each token
+    of prompt + response was routed to (all but the last response token, which the engine never
+    ran); empty for dense models."""
 
 
 class RolloutEngine(Protocol):
+    routed_experts_shape: tuple[int, int] | None
+    """(MoE layers, experts per token) of the routing each output carries; None for dense models."""
+
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> RolloutOutput: ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

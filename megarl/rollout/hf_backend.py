@@ -7,6 +7,9 @@ Weights arrive under their checkpoint names. transformers 5 holds a mixture-of-e
 experts stacked (`experts.gate_up_proj` (E, 2 x ffn, h), `experts.down_proj` (E, h, ffn)) and
 Mixtral's `block_sparse_moe` as `mlp`, so a checkpoint's per-expert tensor is loaded into its part
 of the stacked one (`checkpoint_tensor`).
+
+A mixture-of-experts model records the experts each token was routed to, from the indices its
+routers (each layer's `mlp.gate`) return: the prompt's from the prefill, then each fed-back token's.
 """
 
 from __future__ import annotations
@@ -27,6 +30,15 @@ class HFRollout:
         self.model = _load_model(model_dir, getattr(torch, dtype), dummy_weights).eval()
         self.eos_token_id = self.model.generation_config.eos_token_id
         self.guard = WeightUpdateGuard(has_weights=not dummy_weights)
+        self.routed: list[list[torch.Tensor]] = []  # per layer, the (tokens, k) indices of each forward
+        self.routed_experts_shape = None
+        config = self.model.config
+        if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
+            self.routed_experts_shape = (config.num_hidden_layers, config.num_experts_per_tok)
+            self.routed = [[] for _ in self.model.model.layers]
+            for layer, decoder_layer in enumerate(self.model.model.layers):
+                decoder_layer.mlp.gate.register_forward_hook(
+                    lambda module, args, output, layer=layer: self.routed[layer].append(output[2]))
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> RolloutOutput:
@@ -40,7 +52,16 @@ class HFRollout:
                 result.response_ids.append(ids)
                 result.logprobs.append(logprobs)
                 result.finish_reasons.append(reason)
+                if self.routed:
+                    result.routed_experts.append(self._take_routing())
         return result
+
+    def _take_routing(self) -> torch.Tensor:
+        """(P + R - 1, L, k) int16 experts of the sequence just sampled (every position it fed)."""
+        routing = torch.stack([torch.cat(forwards) for forwards in self.routed], 1).short()
+        for forwards in self.routed:
+            forwards.clear()
+        return routing
 
     def _sample(self, prompt, sampling: Sampling, stop: set[int], generator):
         tokens = torch.tensor([prompt])

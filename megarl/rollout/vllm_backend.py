@@ -8,6 +8,11 @@ Logprobs are the *processed* ones (after temperature), the distribution tokens w
 Responses come back as token ids only (no detokenization: the trainer decodes once, for rewards).
 On GPU the engine sleeps while the trainer runs (KV cache and weights freed); the trainer wakes
 its weights before a sync and its KV cache after it.
+A mixture-of-experts engine also returns the experts it routed each token to, through a hook on
+vLLM's routers (`megarl.rollout.routing_capture`), on CPU and GPU alike: vLLM's own
+`enable_return_routed_experts` needs its model runner V2, absent on CPU. The engine then runs
+without prefix caching, which would skip the routing of cached prompt prefixes, and eagerly on GPU
+too: a CUDA graph replays its kernels without calling the hook.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import numpy as np
 import torch
 
 from megarl import device
+from megarl.rollout import routing_capture
 from megarl.rollout.base import ROLLOUT_BACKENDS, RolloutOutput, Sampling, WeightUpdateGuard
 
 
@@ -71,6 +77,8 @@ class _NothingToReload(logging.Filter):
 class VLLMRollout:
     def __init__(self, model_dir: str, dtype: str, tensor_parallel_size: int, max_model_len: int,
                  kv_cache_bytes: int, gpu_memory_utilization: float, seed: int, dummy_weights: bool = False):
+        self.routed_experts_shape = _routed_experts_shape(model_dir)
+        moe = self.routed_experts_shape is not None
         with _preserve_process_state():
             from vllm import LLM
 
@@ -80,10 +88,13 @@ class VLLMRollout:
             )
             self.llm = LLM(
                 model=model_dir, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
-                distributed_executor_backend="external_launcher", enforce_eager=not device.cuda(),
+                distributed_executor_backend="external_launcher", enforce_eager=moe or not device.cuda(),
                 max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs",
                 load_format="dummy" if dummy_weights else "auto", **memory,
+                **({"enable_prefix_caching": False} if moe else {}),
             )
+        if moe:
+            self.llm.collective_rpc(routing_capture.bind_on_worker)
         self.guard = WeightUpdateGuard(has_weights=not dummy_weights)
         tied = self.llm.llm_engine.model_config.hf_config.tie_word_embeddings
         logging.getLogger(_RELOAD_LOGGER).addFilter(_NothingToReload(tied_lm_head=bool(tied)))
@@ -102,13 +113,24 @@ class VLLMRollout:
         ]
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         result = RolloutOutput()
-        for request_output in self.llm.generate(requests, params, use_tqdm=False):
+        request_outputs = self.llm.generate(requests, params, use_tqdm=False)
+        routing = self._routing_by_request()
+        for request_output in request_outputs:
             for completion in sorted(request_output.outputs, key=lambda c: c.index):
                 ids = list(completion.token_ids)
                 result.response_ids.append(ids)
                 result.logprobs.append([step[token].logprob for step, token in zip(completion.logprobs, ids)])
                 result.finish_reasons.append("length" if completion.finish_reason == "length" else "stop")
+                if routing:
+                    result.routed_experts.append(routing[(request_output.request_id, completion.index)])
         return result
+
+    def _routing_by_request(self) -> dict[tuple[str, int], torch.Tensor]:
+        """The routing the last `generate` recorded, by (request id, sample index)."""
+        if self.routed_experts_shape is None:
+            return {}
+        recorded = self.llm.collective_rpc(routing_capture.take_on_worker, args=self.routed_experts_shape)[0]
+        return {routing_capture.request_key(internal): torch.from_numpy(ids) for internal, ids in recorded.items()}
 
     def begin_weight_update(self, step: int) -> None:
         self.guard.begin(step)
@@ -144,6 +166,16 @@ class VLLMRollout:
     def wake_up(self, tags: tuple[str, ...]) -> None:
         if device.sleep_mode():
             self.llm.wake_up(tags=list(tags))
+
+
+def _routed_experts_shape(model_dir: str) -> tuple[int, int] | None:
+    """(MoE layers, experts per token) of the HF config; None for a dense model (every layer of the
+    supported MoE families is an MoE layer, `megarl.models.architecture`)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    return (config.num_hidden_layers, config.num_experts_per_tok) if experts else None
 
 
 def _refresh_lm_head(worker) -> None:

@@ -3,7 +3,8 @@
     reward/*, response_length/*, rollout/filter_rounds   the step's rollouts and their scores
     sync/*                                               the weight sync into the rollout engine
     actor/*, critic/*                                    the mean over an update's optimizer steps
-                                                         (with actor/moe/*: expert load, router losses)
+                                                         (with actor/moe/*: expert load, router losses,
+                                                         routing agreement with the rollout engine)
     mismatch/*                                           trainer vs. rollout engine log-probs
     rollout/entropy, throughput/tokens_per_s             the scored batch and the step's time
 

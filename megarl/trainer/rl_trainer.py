@@ -88,7 +88,7 @@ class RLTrainer:
         resume_from = self.checkpointer.find(trainer.resume_mode, trainer.resume_path)
         self.estimator = ADVANTAGE_ESTIMATORS.get(config.algorithm.adv_estimator)
         run.save_config()
-        self.actor = self._engine(config.actor, trainable=True)
+        self.actor = self._engine(config.actor, trainable=True, router_replay=config.actor.router_replay)
         uses_reference = config.actor.use_kl_loss or config.algorithm.use_kl_in_reward
         self.reference = self._engine(config.actor, trainable=False) if uses_reference else None
         self.critic = None
@@ -130,10 +130,10 @@ class RLTrainer:
         return self.config.trainer.total_steps * engine_config.ppo_epochs * per_step
 
     def _engine(self, engine_config: EngineConfig, trainable: bool, path: str | None = None,
-                value: bool = False) -> MegatronEngine:
+                value: bool = False, router_replay: bool = False) -> MegatronEngine:
         return MegatronEngine(self.layout, self.config.model, engine_config, model_path=path,
                               total_optimizer_steps=self._optimizer_steps(engine_config) if trainable else None,
-                              value_head=value)
+                              value_head=value, router_replay=router_replay)
 
     def _implicit_prm(self) -> ImplicitPRM:
         """PRIME's PRM and its frozen reference: the run's reference model when both start from model.path."""

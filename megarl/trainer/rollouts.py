@@ -10,8 +10,9 @@ once whatever TP_r is.
 Every rank then learns each response's score, extra reward metrics, length and finish reason from
 one all-reduce of a (B, 3 + extras) table: O(B) numbers, enough for group filtering, baselines,
 validation and deciding who trains on what. The responses themselves (token ids and the engine's
-log-probs) stay on the ranks of the replica that generated them until `move_responses` sends each
-to the ranks that need it, in one all-to-all of tensors. Nothing pickles the batch: only the
+log-probs, and for mixture-of-experts models the experts each token was routed to) stay on the
+ranks of the replica that generated them until `move_responses` sends each to the ranks that need
+it, in one all-to-all of tensors. Nothing pickles the batch: only the
 extra metrics' names and the first reward failure's message travel as objects.
 """
 
@@ -41,6 +42,11 @@ class Rollouts:
     response_ids: list[list[int] | None] = field(default_factory=list)
     """None where this rank does not hold the response (`move_responses`)."""
     rollout_logprobs: list[list[float] | None] = field(default_factory=list)
+    routed_experts: list[torch.Tensor | None] = field(default_factory=list)
+    """Mixture-of-experts models: the (P + R - 1, L, k) experts the engine routed each sequence's
+    tokens to (`RolloutOutput.routed_experts`); None where not held; empty for dense models."""
+    routed_experts_shape: tuple[int, int] | None = None
+    """(L, k) of `routed_experts`; None for dense models."""
     finish_reasons: list[str] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
     score_extras: dict[str, list[float]] = field(default_factory=dict)
@@ -57,6 +63,7 @@ class Rollouts:
         return replace(self, prompts=pick(self.prompts), group_ids=pick(self.group_ids), replicas=pick(self.replicas),
                        response_lengths=pick(self.response_lengths), response_ids=pick(self.response_ids),
                        rollout_logprobs=pick(self.rollout_logprobs), finish_reasons=pick(self.finish_reasons),
+                       routed_experts=pick(self.routed_experts) if self.routed_experts_shape else [],
                        scores=pick(self.scores), score_extras={k: pick(v) for k, v in self.score_extras.items()})
 
     def extend(self, other: Rollouts) -> None:
@@ -68,6 +75,8 @@ class Rollouts:
         self.response_lengths += other.response_lengths
         self.response_ids += other.response_ids
         self.rollout_logprobs += other.rollout_logprobs
+        self.routed_experts += other.routed_experts
+        self.routed_experts_shape = other.routed_experts_shape
         self.finish_reasons += other.finish_reasons
         self.scores += other.scores
         self.num_reward_errors += other.num_reward_errors
@@ -82,10 +91,11 @@ class Rollouts:
                                       f"{self.num_reward_timeouts} timeouts); first: {self.first_reward_failure}")
 
     def to_batch(self, pad_token_id: int) -> SequenceBatch:
-        """Prompt + response token sequences, right-padded, with the engine's log-probs aligned (all
-        responses must be held here)."""
+        """Prompt + response token sequences, right-padded, with the engine's log-probs aligned and
+        its routing, if any (all responses must be held here)."""
         return SequenceBatch.from_sequences([p.prompt_ids for p in self.prompts], self.response_ids, pad_token_id,
-                                            {"rollout_logprobs": right_pad(self.rollout_logprobs, 0.0, torch.float32)})
+                                            {"rollout_logprobs": right_pad(self.rollout_logprobs, 0.0, torch.float32)},
+                                            self.routed_experts or None)
 
 
 def collect_rollouts(prompts: list[Prompt], engine: RolloutEngine, sampling: Sampling, engine_tp: int,
@@ -100,13 +110,18 @@ def collect_rollouts(prompts: list[Prompt], engine: RolloutEngine, sampling: Sam
     rollouts = Rollouts(prompts=[p for p in prompts for _ in range(n)],
                         group_ids=[i for i in range(len(prompts)) for _ in range(n)],
                         replicas=[k for k, (first, end) in enumerate(blocks) for _ in range((end - first) * n)],
-                        response_ids=[None] * num_sequences, rollout_logprobs=[None] * num_sequences)
+                        response_ids=[None] * num_sequences, rollout_logprobs=[None] * num_sequences,
+                        routed_experts_shape=engine.routed_experts_shape)
+    if engine.routed_experts_shape is not None:
+        rollouts.routed_experts = [None] * num_sequences
     output, result = RolloutOutput(), None
     if stop > start:
         output = engine.generate([p.prompt_ids for p in prompts[start:stop]],
                                  replace(sampling, seed=sampling.seed + start))
         rollouts.response_ids[start * n : stop * n] = output.response_ids
         rollouts.rollout_logprobs[start * n : stop * n] = output.logprobs
+        if engine.routed_experts_shape is not None:
+            rollouts.routed_experts[start * n : stop * n] = output.routed_experts
         if rank % engine_tp == 0:  # the replica's other ranks hold the same responses
             texts = tokenizer.batch_decode(output.response_ids, skip_special_tokens=True)
             result = rewards.score([ScoringItem(p.data_source, text, p.ground_truth, p.extra_info)
@@ -147,24 +162,32 @@ def move_responses(rollouts: Rollouts, wanted: list[list[int]], engine_tp: int) 
     """Make rank r hold the responses of sequences `wanted[r]`, in place, in one all-to-all.
 
     Sequence i is sent to rank r by the rank of its replica at r's position in TP_r (r mod TP_r),
-    which spreads the sending over the replica. Token ids and log-probs travel as float64 (both
-    exact); every rank knows every length, so no sizes are exchanged."""
+    which spreads the sending over the replica. Token ids, log-probs and expert ids travel as float64
+    (all exact); every rank knows every length, so no sizes are exchanged."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    shape = rollouts.routed_experts_shape
+    routing_width = shape[0] * shape[1] if shape is not None else 0
 
     def sender(index: int, receiver: int) -> int:
         return rollouts.replicas[index] * engine_tp + receiver % engine_tp
 
+    def size(index: int) -> int:
+        length = rollouts.response_lengths[index]
+        routed = len(rollouts.prompts[index].prompt_ids) + length - 1 if routing_width else 0
+        return 2 * length + routed * routing_width
+
     def payload(index: int) -> list[torch.Tensor]:
+        routing = [rollouts.routed_experts[index].flatten().double()] if routing_width else []
         return [torch.tensor(rollouts.response_ids[index], dtype=torch.float64),
-                torch.tensor(rollouts.rollout_logprobs[index], dtype=torch.float64)]
+                torch.tensor(rollouts.rollout_logprobs[index], dtype=torch.float64), *routing]
 
     sent, send_splits = [], []
     for receiver in range(world):
         rows = [i for i in wanted[receiver] if sender(i, receiver) == rank]
         sent += [part for i in rows for part in payload(i)]
-        send_splits.append(sum(2 * rollouts.response_lengths[i] for i in rows))
+        send_splits.append(sum(size(i) for i in rows))
     incoming = [[i for i in wanted[rank] if sender(i, rank) == source] for source in range(world)]
-    recv_splits = [sum(2 * rollouts.response_lengths[i] for i in rows) for rows in incoming]
+    recv_splits = [sum(size(i) for i in rows) for rows in incoming]
     received = torch.empty(sum(recv_splits), dtype=torch.float64)
     dist.all_to_all_single(received, torch.cat(sent) if sent else torch.zeros(0, dtype=torch.float64),
                            recv_splits, send_splits)
@@ -174,7 +197,10 @@ def move_responses(rollouts: Rollouts, wanted: list[list[int]], engine_tp: int) 
             length = rollouts.response_lengths[i]
             rollouts.response_ids[i] = received[offset : offset + length].long().tolist()
             rollouts.rollout_logprobs[i] = received[offset + length : offset + 2 * length].tolist()
-            offset += 2 * length
+            if routing_width:
+                routing = received[offset + 2 * length : offset + size(i)]
+                rollouts.routed_experts[i] = routing.view(-1, *shape).to(torch.int16)
+            offset += size(i)
 
 
 def _aligned_extras(parts: list[Rollouts]) -> dict[str, list[float]]:

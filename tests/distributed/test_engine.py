@@ -50,6 +50,7 @@ def test_tp1_scores_match_transformers_and_the_step_moves_weights(baseline, tiny
     report, weights = baseline
     assert report["logprob_entropy_diff"] <= 1e-4 and report["value_diff"] <= 1e-4
     assert report["kept_outputs_vs_score"] <= 1e-5
+    assert report["dense_router_replay_error"].startswith("actor.router_replay=true needs a mixture-of-experts")
     source = _weights(tiny_models["qwen3-untied"])
     moved = max(float((weights[name] - source[name]).abs().max()) for name in source)
     assert 5e-4 < moved < 2e-3  # an AdamW step of lr 1e-3 moves weights by about lr
@@ -179,3 +180,22 @@ def test_aux_loss_free_expert_bias_moves_towards_equal_load(moe_run):
     decided = offset_LE.abs() >= 2
     assert decided.float().mean() > 0.5 and torch.equal(bias[decided], expected[decided])
     assert set(bias.unique().tolist()) <= set(expected.unique().tolist())
+
+
+def test_router_replay_routes_every_recorded_token_as_the_rollout_did(moe_run):
+    report, _ = moe_run
+    own, replayed, replayed_pp2 = report["own_routing"], report["replayed"], report["replayed_pp2"]
+    recorded = 4 * sum(n - 1 for n in (15, 15, 14, 19, 7, 11, 11, 16))  # 4 layers x (length - 1) per sequence
+    assert own["recorded"] == replayed["recorded"] == replayed_pp2["recorded"] == recorded
+    # Perturbed routers route part of the tokens elsewhere on their own; the metric counts what the hook saw.
+    assert 0 < own["differing"] < recorded / 2
+    assert own["moe/routing_agreement"] == pytest.approx(1 - own["differing"] / recorded, abs=1e-12)
+    # With replay every recorded (token, layer) goes to the rollout's experts, at EP2 and at PP2 with
+    # recomputation. The metric still measures the routers' own choice, which differs from the one
+    # without replay from the second layer on: their inputs came through other experts.
+    assert replayed["differing"] == 0 and replayed_pp2["differing"] == 0
+    assert 0 < replayed["moe/routing_agreement"] < 1
+    assert replayed_pp2["moe/routing_agreement"] == pytest.approx(replayed["moe/routing_agreement"], abs=1e-12)
+    assert replayed["loss"] != own["loss"]
+    assert replayed_pp2["loss"] == pytest.approx(replayed["loss"], abs=1e-5)  # seen 1e-6 apart: sums in another order
+    assert replayed_pp2["grad_norm"] == pytest.approx(replayed["grad_norm"], rel=1e-5)

@@ -84,6 +84,11 @@ scores = policy.score(batch, temperature=TEMPERATURE)
 critic = MegatronEngine(layout, ModelConfig(path=args.value, dtype=args.dtype), engine_config)
 values = critic.score(batch)
 report["logprob_entropy_diff"] = max_diff(scores, hf_response_outputs(args.policy, False))
+try:  # router replay needs a mixture-of-experts model
+    MegatronEngine(layout, ModelConfig(path=args.policy), engine_config, total_optimizer_steps=10, router_replay=True)
+    report["dense_router_replay_error"] = None
+except ValueError as error:
+    report["dense_router_replay_error"] = str(error)
 report["value_diff"] = max_diff(values, hf_response_outputs(args.value, True))
 
 

@@ -9,6 +9,11 @@ Phases, each after `init_layout` at its EP size:
 2. EP2: a checkpoint after those two steps, then step 3; a fresh engine loads the checkpoint and takes
    step 3 again (exact resume).
 3. EP2 with aux-loss-free balancing: the expert bias after one step.
+4. Router replay, with routers perturbed (the same noise at every layout) so that their own routing
+   differs from the "rollout's" (HF's routing of the unperturbed model, recorded for all positions
+   but each sequence's last): one step at EP2 without replay, one with replay, and one with replay
+   at PP2 (DP1) with full recomputation, whose 1F1B schedule recomputes micro-batch 0 after micro-batch
+   1's forward. A hook on the routers records the routing each training forward used.
 
 The reference (every rank, whole batch) is a `transformers` forward and backward of the same loss
 written out by hand: the policy loss normalised by the batch's response tokens, plus each
@@ -19,6 +24,7 @@ expert and the expert bias the engine must reproduce.
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -135,6 +141,63 @@ def engine(layout, policy, moe=moe_losses):
     return MegatronEngine(layout, ModelConfig(path=policy, moe=moe), engine_config, total_optimizer_steps=10)
 
 
+def hf_routing(model_dir):
+    """(8, 24, L, k) int16: the experts `transformers` routes each token to (its top-k router logits),
+    for all positions but each sequence's last, as a rollout engine records them; experts 0..k-1 elsewhere."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    num_layers, topk = model.config.num_hidden_layers, model.config.num_experts_per_tok
+    routed = torch.arange(topk, dtype=torch.int16).repeat(8, tokens.shape[1], num_layers, 1)
+    with torch.no_grad():
+        for i in range(8):
+            length = int(lengths[i])
+            router_logits = model(tokens[i : i + 1, :length], output_router_logits=True).router_logits
+            for layer, logits_NE in enumerate(router_logits):
+                routed[i, : length - 1, layer] = logits_NE.view(length, -1)[: length - 1].topk(topk).indices.short()
+    return routed
+
+
+def perturb_routers(policy):
+    """Noise on every router's weight, seeded by its layer: routes near-ties differently, the same at any layout."""
+    for router in policy.routing.routers:
+        noise = torch.randn(router.weight.shape, generator=torch.Generator().manual_seed(router.layer_number))
+        with torch.no_grad():
+            router.weight.add_(0.3 * float(router.weight.std()) * noise)
+
+
+def replay_step(layout, policy_dir, batch, replay, recompute=False):
+    """One step on `batch` (this DP rank's share: `micro_batches` index it) with perturbed routers: its
+    metrics and, from a hook, the number of recorded (token, layer) pairs whose training routing
+    differs from the rollout's and their count (all sequences' first n - 1 positions)."""
+    # Without router losses, which megatron takes per micro-batch: the step is then the same at any layout.
+    config = replace(engine_config, recompute_activations=recompute)
+    policy = MegatronEngine(layout, ModelConfig(path=policy_dir), config, total_optimizer_steps=10,
+                            router_replay=replay)
+    perturb_routers(policy)
+    calls = []  # (layer, (T * b, E) routing map) of each training forward, in order
+    for router in policy.routing.routers:
+        router.register_forward_hook(lambda module, args, output: calls.append(
+            (module.layer_number - 1, output[1].detach().cpu())) if torch.is_grad_enabled() else None)
+    metrics, _ = policy.train_mini_batch(batch, policy_loss, temperature=TEMPERATURE)
+    differing = recorded = 0
+    micro = fixed_micro_batches(list(range(len(batch))), MICRO_BATCH)
+    layers_here = len(policy.routing.routers)
+    for m, indices in enumerate(micro):
+        for layer, routing_map in calls[m * layers_here : (m + 1) * layers_here]:
+            width = routing_map.shape[0] // len(indices)
+            map_bTE = routing_map.view(width, len(indices), -1).transpose(0, 1)
+            for row, i in enumerate(indices):
+                n = int(batch.sequence_lengths_B[i]) - 1
+                expected = torch.zeros(n, map_bTE.shape[-1], dtype=torch.bool).scatter(
+                    1, batch.routed_experts_BTLK[i, :n, layer].long(), True)
+                differing += int((map_bTE[row, :n] != expected).any(-1).sum())
+                recorded += n
+    assert len(calls) == len(micro) * layers_here, (len(calls), len(micro), layers_here)
+    counts = torch.tensor([float(differing), float(recorded)])
+    for group in (layout.pp_group, layout.dp_group):
+        dist.all_reduce(counts, group=group)
+    return dict(metrics, differing=counts[0].item(), recorded=counts[1].item())
+
+
 def main():
     """The phases; a function so that checkpoint writers, which re-import this module, run nothing."""
     parser = argparse.ArgumentParser()
@@ -175,6 +238,13 @@ def main():
     balanced = engine(layout, args.policy, MoEConfig(expert_bias=True))
     report["bias_step"], _ = balanced.train_mini_batch(batch, policy_loss, temperature=TEMPERATURE)
     report["expert_bias_LE"] = [router.expert_bias.tolist() for router in balanced.routing.routers]
+
+    # Phase 4: router replay against perturbed routers, at EP2 and at PP2 with recomputation.
+    routed = SequenceBatch(tokens, prompt_lengths, response_lengths, routed_experts_BTLK=hf_routing(args.policy))
+    share = local_batch(layout)[0]
+    report["own_routing"] = replay_step(layout, args.policy, routed.select(share), replay=False)
+    report["replayed"] = replay_step(layout, args.policy, routed.select(share), replay=True)
+    report["replayed_pp2"] = replay_step(init_layout(pp=2), args.policy, routed, replay=True, recompute=True)
 
     reference_step = reference(args.policy, layout.dp)
     report["reference"] = {name: value.tolist() if torch.is_tensor(value) else value

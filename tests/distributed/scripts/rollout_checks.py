@@ -227,6 +227,14 @@ vllm_out, hf_out = vllm.generate(PROMPTS, greedy), reference.generate(PROMPTS, g
 report["greedy_tokens_equal"] = vllm_out.response_ids == hf_out.response_ids
 report["greedy_logprob_diff"] = max(abs(a - b) for x, y in zip(vllm_out.logprobs, hf_out.logprobs)
                                     for a, b in zip(x, y))
+# MoE: both engines record each fed token's experts (prompt and response but its last token).
+report["routing_lengths_ok"] = all(len(r) == len(p) + len(o) - 1
+                                   for routing in (vllm_out.routed_experts, hf_out.routed_experts)
+                                   for p, o, r in zip(PROMPTS, vllm_out.response_ids, routing))
+report["vllm_hf_routing_agreement"] = (
+    float(torch.cat([(a.sort(-1).values == b.sort(-1).values).all(-1).flatten()
+                     for a, b in zip(vllm_out.routed_experts, hf_out.routed_experts)]).float().mean())
+    if vllm_out.routed_experts else None)
 report["bytes_received"], report["lower_bound"] = stats.bytes_received, stats.lower_bound
 
 # A second real step and sync, then the engine's sampled-token log-probs against the trainer's.

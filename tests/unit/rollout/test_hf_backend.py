@@ -31,3 +31,17 @@ def test_dummy_weights_serve_only_after_an_update(tiny_models):
     assert updated.response_ids == reference.response_ids
     assert updated.finish_reasons == reference.finish_reasons
     torch.testing.assert_close(torch.tensor(updated.logprobs), torch.tensor(reference.logprobs), rtol=0, atol=1e-5)
+
+
+def test_moe_outputs_carry_the_experts_each_fed_token_was_routed_to(tiny_moe_models):
+    engine = HFRollout(str(tiny_moe_models["qwen3-moe"]), "float32")
+    prompts = [[5, 9, 13], [7, 2]]
+    output = engine.generate(prompts, Sampling(n=2, temperature=1.0, max_tokens=5, seed=3))
+    assert engine.routed_experts_shape == (4, 2)
+    for i, (response, routing) in enumerate(zip(output.response_ids, output.routed_experts)):
+        fed = prompts[i // 2] + response[:-1]  # the last sampled token is never fed back
+        with torch.no_grad():
+            router_logits = engine.model(torch.tensor([fed]), output_router_logits=True).router_logits
+        expected_NLk = torch.stack([logits.topk(2).indices.sort(-1).values for logits in router_logits], 1)
+        assert routing.dtype == torch.int16 and routing.shape == (len(fed), 4, 2)
+        assert torch.equal(routing.long().sort(-1).values, expected_NLk)
