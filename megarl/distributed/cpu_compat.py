@@ -1,7 +1,7 @@
 """Bridges megatron-core's CUDA assumptions so that it runs on CPU over gloo.
 
 Applied only when `megarl.device` says CUDA is absent (`apply_cpu_compat` is a no-op otherwise).
-megatron-core 0.16 assumes a GPU (or Transformer Engine) in eleven places; each is bridged by one
+megatron-core 0.16 assumes a GPU (or Transformer Engine, or Apex) in twelve places; each is bridged by one
 named `Bridge` below, so a test can leave one out and watch the megatron code path it guards fail:
 
 1. `current_device`: `torch.cuda.current_device()` used as the device of buffers (the global
@@ -24,6 +24,11 @@ named `Bridge` below, so a test can leave one out and watch the megatron code pa
 11. `alltoall_split_sizes`: that copy (`maybe_move_tensor_to_cpu`) is what turns the split sizes
    into the numpy arrays `all_to_all_single` takes; it skips host tensors, whose split sizes would
    reach gloo as tensors, which it rejects. On CPU the "copy" still makes the numpy arrays.
+12. `torch_norm_sequence_parallel`: sequence parallelism (which megatron needs to train MoE layers
+   at TP > 1) splits the norms' inputs over the TP ranks, so each rank's norm-weight gradient is a
+   partial sum that `finalize_model_grads` all-reduces for weights marked `sequence_parallel`.
+   Apex's and TE's norms mark them; megatron's torch-norm fallback asserts sequence parallelism
+   away instead. On CPU it builds the same torch norm and marks its weights.
 
 How: megatron modules get a *view* of `torch` as their module global `torch`; the view forwards
 everything to the real module, except the attributes a bridge sets on it. Nothing outside
@@ -35,6 +40,7 @@ them and patch the Tensor method only for the duration of that call.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import importlib
 import inspect
@@ -240,6 +246,21 @@ def _apply_alltoall_split_sizes(view):
     sys.modules["megatron.core.transformer.moe.token_dispatcher"].maybe_move_tensor_to_cpu = _host_copy
 
 
+def _apply_torch_norm_sequence_parallel(view):
+    torch_norm = sys.modules["megatron.core.transformer.torch_norm"].WrappedTorchNorm
+    build = torch_norm.__new__
+
+    def build_marked(cls, config, *args, **kwargs):
+        unsplit = copy.copy(config)  # the fallback's own checks see no sequence parallelism
+        unsplit.sequence_parallel = False
+        norm = build(cls, unsplit, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+    torch_norm.__new__ = staticmethod(build_marked)
+
+
 BRIDGES = (
     Bridge("current_device", "torch.cuda.current_device() as a buffer device", _apply_current_device),
     Bridge("rng_tracker", "tensor-parallel RNG tracker on the CUDA generator", _apply_rng_tracker),
@@ -256,6 +277,8 @@ BRIDGES = (
            _apply_alltoall_streams),
     Bridge("alltoall_split_sizes", "alltoall split sizes become numpy arrays only by a device-to-host copy",
            _apply_alltoall_split_sizes, symptom="all_to_all_single"),
+    Bridge("torch_norm_sequence_parallel", "sequence-parallel norms need Apex or TE to mark their weights",
+           _apply_torch_norm_sequence_parallel, symptom="sequence parallel"),
 )
 
 

@@ -24,7 +24,11 @@ from megarl.distributed import cpu_compat  # noqa: E402
 
 cpu_compat.apply_cpu_compat(skip=[args.skip] if args.skip else [])
 
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+from megatron.core.distributed import (  # noqa: E402
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32  # noqa: E402
 
@@ -130,9 +134,24 @@ def alltoall_split_sizes():
         torch.testing.assert_close(grad, expected_grads[name], msg=name)
 
 
+def torch_norm_sequence_parallel():
+    layout = init_layout(tp=2, ep=2, etp=1)  # MoE at TP > 1: sequence parallel
+    model = build_model(moe_arch, layout)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    logits = ddp(tokens_BT, torch.arange(tokens_BT.shape[1]).expand_as(tokens_BT), attention_mask=None)
+    logits.sum().backward()
+    finalize_model_grads([ddp])
+    # Each TP rank normed half of the tokens; the finalized gradients of every norm are the sum over both.
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            grads = [torch.zeros_like(param.main_grad) for _ in range(2)]
+            dist.all_gather(grads, param.main_grad, group=layout.tp_group)
+            assert torch.equal(grads[0], grads[1]) and grads[0].abs().sum() > 0, name
+
+
 SCENARIOS = {f.__name__: f for f in (rng_tracker, current_device, cuda_factories, synchronize, tensor_cuda,
                                      clip_grads_type, optimizer_type, optimizer_gather_cuda, te_general_gemm,
-                                     alltoall_streams, alltoall_split_sizes)}
+                                     alltoall_streams, alltoall_split_sizes, torch_norm_sequence_parallel)}
 assert set(SCENARIOS) == {bridge.name for bridge in cpu_compat.BRIDGES}
 
 failed = False
