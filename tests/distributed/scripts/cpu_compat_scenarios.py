@@ -31,6 +31,7 @@ from megatron.core.distributed import (  # noqa: E402
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32  # noqa: E402
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region  # noqa: E402
 
 from megarl.checkpoint.optimizer_state import initialize_optimizer_state, sharded_optimizer_state  # noqa: E402
 from megarl.distributed import init_layout  # noqa: E402
@@ -149,9 +150,24 @@ def torch_norm_sequence_parallel():
             assert torch.equal(grads[0], grads[1]) and grads[0].abs().sum() > 0, name
 
 
+def uneven_sequence_parallel():
+    # The expert-TP token gather of megatron's alltoall dispatcher (at EP > 1 a different number of tokens
+    # from each sequence-parallel rank) and its backward, a reduce-scatter of those parts.
+    layout = init_layout(tp=2)
+    sizes, rank = [3, 5], layout.tp_rank
+    mine = torch.full((sizes[rank], 4), rank + 1.0, requires_grad=True)
+    gathered = gather_from_sequence_parallel_region(mine, group=layout.tp_group, output_split_sizes=sizes)
+    assert torch.equal(gathered, torch.cat([torch.full((n, 4), r + 1.0) for r, n in enumerate(sizes)]))
+    (gathered * torch.arange(8.0)[:, None] * (rank + 1)).sum().backward()
+    # Each rank's part of the upstream gradients summed over both ranks (factors 1 + 2).
+    expected = (torch.arange(8.0)[:, None] * 3).expand(8, 4)[sum(sizes[:rank]) : sum(sizes[: rank + 1])]
+    assert torch.equal(mine.grad, expected)
+
+
 SCENARIOS = {f.__name__: f for f in (rng_tracker, current_device, cuda_factories, synchronize, tensor_cuda,
                                      clip_grads_type, optimizer_type, optimizer_gather_cuda, te_general_gemm,
-                                     alltoall_streams, alltoall_split_sizes, torch_norm_sequence_parallel)}
+                                     alltoall_streams, alltoall_split_sizes, torch_norm_sequence_parallel,
+                                     uneven_sequence_parallel)}
 assert set(SCENARIOS) == {bridge.name for bridge in cpu_compat.BRIDGES}
 
 failed = False
