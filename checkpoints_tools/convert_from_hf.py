@@ -1,6 +1,7 @@
 """A HuggingFace directory -> a megarl (weights-only) checkpoint, saved from a chosen layout.
 
-    torchrun --nproc_per_node=N checkpoints_tools/convert_from_hf.py --hf DIR --output checkpoints/run [--tp T --pp P]
+    torchrun --nproc_per_node=N checkpoints_tools/convert_from_hf.py --hf DIR --output checkpoints/run \\
+        [--tp T --pp P --ep E --etp ET]
 
 Writes `<output>/global_step_0/` with the `actor` model as a megatron-core dist checkpoint (each
 rank saving only its shards), the HF config and tokenizer in `hf/`, and a manifest, published
@@ -28,9 +29,11 @@ def main(argv=None) -> int:
     parser.add_argument("--output", required=True, help="checkpoint root; global_step_0 is written inside")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (mixture-of-experts models)")
+    parser.add_argument("--etp", type=int, default=0, help="expert tensor-parallel size; 0: same as --tp")
     args = parser.parse_args(argv)
 
-    layout = init_layout(tp=args.tp, pp=args.pp)
+    layout = init_layout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
     root, source = Path(args.output), Path(args.hf)
     model, _ = load_hf_model(args.hf, layout)
     staging = begin(root, 0, ["actor"])

@@ -1,12 +1,13 @@
 """A megarl checkpoint's actor (or critic, as a value model) -> a HuggingFace directory.
 
     torchrun --nproc_per_node=N checkpoints_tools/convert_to_hf.py --checkpoint checkpoints/run/global_step_40 \\
-        --output out/hf [--model critic] [--tp T --pp P] [--verify]
+        --output out/hf [--model critic] [--tp T --pp P --ep E --etp ET] [--verify]
 
-The checkpoint is layout-independent: it loads at any TP x PP that fits the model, each rank
-reading its shards, and every pipeline stage writes its own safetensors shard. The output has the
-model's config, tokenizer and generation config. `--verify` compares the logits of the exported
-directory under `transformers` with the megarl model's (exit 1 above --tolerance).
+The checkpoint is layout-independent: it loads at any TP x PP (x EP x ETP for mixture-of-experts
+models) that fits the model, each rank reading its shards, and every pipeline stage writes its own
+safetensors shard. The output has the model's config, tokenizer and generation config. `--verify`
+compares the logits of the exported directory under `transformers` with the megarl model's (exit 1
+above --tolerance).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model", choices=["actor", "critic"], default="actor")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (mixture-of-experts models)")
+    parser.add_argument("--etp", type=int, default=0, help="expert tensor-parallel size; 0: same as --tp")
     parser.add_argument("--verify", action="store_true")
     parser.add_argument("--tolerance", type=float, default=1e-4)
     args = parser.parse_args(argv)
@@ -38,7 +41,7 @@ def main(argv=None) -> int:
     problem = model_problem(checkpoint, args.model)  # before joining the world: one message, not one per rank
     if problem:
         sys.exit(f"convert_to_hf: {checkpoint} is not a usable checkpoint with a {args.model!r} model: {problem}")
-    layout = init_layout(tp=args.tp, pp=args.pp)
+    layout = init_layout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
     if dist.get_rank() == 0:
         print(f"loading {checkpoint / args.model} at {layout}", flush=True)
     model, arch = load_model(checkpoint, args.model, layout)

@@ -4,6 +4,11 @@ Format: megatron's distributed optimizer saves its state in `fully_reshardable` 
 parameter (`optimizer.state.{param,exp_avg,exp_avg_sq}.<parameter key>`), sharded like the
 parameter itself, so a checkpoint saved at any TP x PP x DP loads at any other. (Its
 `dp_reshardable` form follows the optimizer's internal DP buckets and reshards over DP only.)
+Mixture-of-experts models at EP > 1 get a chained optimizer (dense and expert parameters over their
+own DP groups), a single one at EP1: the keys carry no `chained_<i>.` prefix, so the per-parameter
+state loads across EP sizes. What else each optimizer saves (its param groups' hyper-parameters and
+the step count) follows that structure; where the structure changed, each optimizer keeps its own
+hyper-parameters (the run's config; the scheduler restores the learning rate) and takes the step count.
 
 Loading: megatron-core 0.16.1's distributed optimizer without Apex/Transformer Engine (torch's Adam,
 which keeps a `step` tensor per parameter) has two defects that we correct here, where we load:
@@ -20,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 
 
 def _chained(optimizer) -> list:
@@ -42,15 +47,31 @@ def initialize_optimizer_state(optimizer) -> None:
             state.setdefault("step", torch.tensor(0.0))
 
 
+def _common_state(part, state: dict, loaded: dict) -> dict:
+    """`part`'s saved hyper-parameters and step count, or, where the checkpoint's optimizers were
+    chained differently (saved at another EP size), its own with the saved step count."""
+    if "optimizer" in state:
+        return state
+    saved = [s for s in (loaded, *loaded.values()) if isinstance(s, dict) and "optimizer" in s]
+    steps = {group["step"] for s in saved for group in s["optimizer"]["param_groups"]}
+    assert len(steps) == 1, steps  # megatron synchronises the steps of chained optimizers before saving
+    own = dict(part.state_dict(), param_state_sharding_type=saved[0]["param_state_sharding_type"])
+    for group in own["optimizer"]["param_groups"]:
+        group["step"] = next(iter(steps))
+    return own
+
+
 def load_optimizer_state(optimizer, loaded: dict) -> None:
-    """Load what `dist_checkpointing.load` returned for `sharded_optimizer_state(..., is_loading=True)`."""
+    """Load what `dist_checkpointing.load` returned for `sharded_optimizer_state(..., is_loading=True)`:
+    a dict per optimizer of a chain (by index), merged with the state the checkpoint saved unsharded."""
     parts = _chained(optimizer)
-    states = [loaded] if len(parts) == 1 else [loaded[index] for index in sorted(loaded)]
+    states = [loaded] if len(parts) == 1 else [loaded[index] for index in range(len(parts))]
     for part, state in zip(parts, states):
         if "param_state" not in state:  # not a distributed optimizer: megatron's own load is exact
             part.load_state_dict(state)
             continue
         param_state = state.pop("param_state")
+        state = _common_state(part, state, loaded)
         part.load_state_dict(state)  # hyper-parameters and the step count (one tensor for all parameters)
         inner = part.optimizer.state
         steps = {param: inner[param].pop("step") for param in list(inner) if "step" in inner[param]}

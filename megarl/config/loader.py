@@ -77,6 +77,8 @@ def validate(config: RunConfig) -> None:
     _check_choice("model.dtype", config.model.dtype, DTYPES)
     _check_choice("model.layer_spec", config.model.layer_spec, LAYER_SPECS)
     _check_at_least("model.make_vocab_size_divisible_by", config.model.make_vocab_size_divisible_by, 1)
+    for name in ("aux_loss_coeff", "z_loss_coeff"):  # a negative weight would reward imbalance
+        _check_at_least(f"model.moe.{name}", getattr(config.model.moe, name), 0)
     actor = config.actor
     for name in ("tp", "pp", "ep"):
         _check_at_least(f"actor.{name}", getattr(actor, name), 1)
@@ -235,9 +237,10 @@ def _check_choice(key: str, value: str, allowed: Sequence[str]) -> None:
         raise ConfigError(f"config key '{key}' = {value!r} is not allowed; allowed: {', '.join(allowed)}")
 
 
-def _check_at_least(key: str, value: int, minimum: int) -> None:
+def _check_at_least(key: str, value: int | float, minimum: int) -> None:
     if value < minimum:
-        raise ConfigError(f"config key '{key}' = {value} is out of range; allowed: integers >= {minimum}")
+        kind = "integers" if isinstance(value, int) else "numbers"
+        raise ConfigError(f"config key '{key}' = {value} is out of range; allowed: {kind} >= {minimum}")
 
 
 def _check_engine(section: str, engine: EngineConfig) -> None:

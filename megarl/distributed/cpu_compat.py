@@ -1,7 +1,7 @@
 """Bridges megatron-core's CUDA assumptions so that it runs on CPU over gloo.
 
 Applied only when `megarl.device` says CUDA is absent (`apply_cpu_compat` is a no-op otherwise).
-megatron-core 0.16 assumes a GPU (or Transformer Engine) in eleven places; each is bridged by one
+megatron-core 0.16 assumes a GPU (or Transformer Engine, or Apex) in thirteen places; each is bridged by one
 named `Bridge` below, so a test can leave one out and watch the megatron code path it guards fail:
 
 1. `current_device`: `torch.cuda.current_device()` used as the device of buffers (the global
@@ -24,6 +24,17 @@ named `Bridge` below, so a test can leave one out and watch the megatron code pa
 11. `alltoall_split_sizes`: that copy (`maybe_move_tensor_to_cpu`) is what turns the split sizes
    into the numpy arrays `all_to_all_single` takes; it skips host tensors, whose split sizes would
    reach gloo as tensors, which it rejects. On CPU the "copy" still makes the numpy arrays.
+12. `torch_norm_sequence_parallel`: sequence parallelism (which megatron needs to train MoE layers
+   at TP > 1) splits the norms' inputs over the TP ranks, so each rank's norm-weight gradient is a
+   partial sum that `finalize_model_grads` all-reduces for weights marked `sequence_parallel`.
+   Apex's and TE's norms mark them; megatron's torch-norm fallback asserts sequence parallelism
+   away instead. On CPU it builds the same torch norm and marks its weights.
+13. `uneven_sequence_parallel`: with sequence parallelism, experts split over expert-TP ranks gather
+   the tokens routed to them from the sequence-parallel ranks, a different number from each
+   (`all_gather` into unequal parts), and reduce-scatter their gradients back the same way
+   (`reduce_scatter` of a list). gloo takes equal parts only and has no list reduce-scatter: in
+   megatron's TP mappings, unequal parts are padded to the largest for the gather, and the
+   reduce-scatter is an all-reduce of which each rank keeps its part.
 
 How: megatron modules get a *view* of `torch` as their module global `torch`; the view forwards
 everything to the real module, except the attributes a bridge sets on it. Nothing outside
@@ -35,6 +46,7 @@ them and patch the Tensor method only for the duration of that call.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import importlib
 import inspect
@@ -240,6 +252,49 @@ def _apply_alltoall_split_sizes(view):
     sys.modules["megatron.core.transformer.moe.token_dispatcher"].maybe_move_tensor_to_cpu = _host_copy
 
 
+def _apply_torch_norm_sequence_parallel(view):
+    torch_norm = sys.modules["megatron.core.transformer.torch_norm"].WrappedTorchNorm
+    build = torch_norm.__new__
+
+    def build_marked(cls, config, *args, **kwargs):
+        unsplit = copy.copy(config)  # the fallback's own checks see no sequence parallelism
+        unsplit.sequence_parallel = False
+        norm = build(cls, unsplit, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+    torch_norm.__new__ = staticmethod(build_marked)
+
+
+def _all_gather_unequal(tensor_list, tensor, group=None, async_op=False):
+    """`torch.distributed.all_gather` that also takes parts of unequal lengths along dim 0."""
+    longest = max(part.shape[0] for part in tensor_list)
+    if all(part.shape[0] == longest for part in tensor_list):
+        return torch.distributed.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+    padded = [tensor.new_empty((longest, *tensor.shape[1:])) for _ in tensor_list]
+    mine = torch.cat([tensor, tensor.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))])
+    torch.distributed.all_gather(padded, mine, group=group)
+    for part, gathered in zip(tensor_list, padded):
+        part.copy_(gathered[: part.shape[0]])
+
+
+def _reduce_scatter_list(output, input_list, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
+    """`torch.distributed.reduce_scatter` (absent in gloo): all-reduce everything, keep this rank's part."""
+    reduced = torch.cat([part.reshape(-1) for part in input_list])
+    torch.distributed.all_reduce(reduced, op=op, group=group)
+    start = sum(part.numel() for part in input_list[: torch.distributed.get_rank(group)])
+    output.copy_(reduced[start : start + output.numel()].view_as(output))
+
+
+def _apply_uneven_sequence_parallel(view):
+    mappings = sys.modules["megatron.core.tensor_parallel.mappings"]
+    mappings.torch = _ForwardingView("torch", view)  # scoped to the TP mappings
+    mappings.torch.distributed = _ForwardingView("torch.distributed", torch.distributed)
+    mappings.torch.distributed.all_gather = _all_gather_unequal
+    mappings.torch.distributed.reduce_scatter = _reduce_scatter_list
+
+
 BRIDGES = (
     Bridge("current_device", "torch.cuda.current_device() as a buffer device", _apply_current_device),
     Bridge("rng_tracker", "tensor-parallel RNG tracker on the CUDA generator", _apply_rng_tracker),
@@ -256,6 +311,10 @@ BRIDGES = (
            _apply_alltoall_streams),
     Bridge("alltoall_split_sizes", "alltoall split sizes become numpy arrays only by a device-to-host copy",
            _apply_alltoall_split_sizes, symptom="all_to_all_single"),
+    Bridge("torch_norm_sequence_parallel", "sequence-parallel norms need Apex or TE to mark their weights",
+           _apply_torch_norm_sequence_parallel, symptom="sequence parallel"),
+    Bridge("uneven_sequence_parallel", "expert-TP token gathers and gradient scatters of unequal parts over gloo",
+           _apply_uneven_sequence_parallel, symptom="invalid tensor size"),
 )
 
 

@@ -114,11 +114,6 @@ class MegatronEngine:
             model_config.make_vocab_size_divisible_by, recompute_activations=config.recompute_activations,
             value_head=value_head, schedule=schedule, moe=MoESettings(**asdict(model_config.moe)),
         )
-        if trainable and self.arch.is_moe and layout.tp > 1 and not self.module.config.sequence_parallel:
-            raise ValueError(
-                f"actor.tp={layout.tp}: megatron-core trains mixture-of-experts layers at TP > 1 only with "
-                "sequence parallelism, which needs CUDA (gloo has no reduce-scatter); on CPU use actor.tp=1 "
-                "with actor.ep")
         self.model = self.module
         self.packed = resolve_layer_spec(model_config.layer_spec) == "transformer_engine"
         # Sequence parallelism splits each micro-batch's tokens over the TP ranks.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 from megarl import device
@@ -34,6 +35,9 @@ def max_difference(model: torch.nn.Module, arch: Architecture, layout: ParallelL
     """Largest |megatron - transformers(hf_dir)| over real tokens and the real vocabulary (values for
     value models); the same number on every rank."""
     tokens_BT, mask_BT = tokenize(hf_dir)
+    if model.config.sequence_parallel:  # the TP ranks split the sequence: right-pad it to a multiple of TP
+        padding = -tokens_BT.shape[1] % layout.tp
+        tokens_BT, mask_BT = F.pad(tokens_BT, (0, padding)), F.pad(mask_BT, (0, padding), value=False)
     model.eval()
     outputs = forward_outputs(model, layout, tokens_BT, micro_batch_size=2)
     difference = torch.zeros(1, device=device.compute_device())

@@ -4,16 +4,18 @@ Expert load: a forward hook on every router counts, per layer, the tokens routed
 token counts once for each of its top-k experts; padding is left out), in training forwards only.
 With activation recomputation megatron runs the first forward without grad and the recomputation
 with it, so each token is still counted once. Summed over the micro-batches and DP ranks of the
-mini-batch, a layer's load is its busiest expert's tokens (`tokens_per_expert_max`) against the mean
-over experts (`tokens_per_expert_mean` = tokens x top-k / experts); `load_max_over_mean` is the worst
-layer's ratio (1 when every layer is perfectly balanced). The same counts drive aux-loss-free
-balancing (`model.moe.expert_bias`): megatron moves each expert's bias after the step from them.
+mini-batch (and over TP, whose sequence-parallel routers each see part of the tokens), a layer's
+load is its busiest expert's tokens (`tokens_per_expert_max`) against the mean over experts
+(`tokens_per_expert_mean` = tokens x top-k / experts); `load_max_over_mean` is the worst layer's
+ratio (1 when every layer is perfectly balanced). The same counts drive aux-loss-free balancing
+(`model.moe.expert_bias`): megatron moves each expert's bias after the step from them.
 
 Router losses: megatron's routers record each layer's load-balancing loss and z-loss of every
 training micro-batch, without their coefficients, in megatron-core's layer-wise tracker
 (`moe_utils.get_moe_layer_wise_logging_tracker`). Reported: their mean over the mini-batch's
-micro-batches on all DP ranks, per layer and averaged over the layers. The engine puts them in the
-backward (`MegatronEngine.train_mini_batch`), never in the reported losses.
+micro-batches on all DP ranks, per layer and averaged over the layers. Under sequence parallelism
+each TP rank's z-loss is its own tokens' mean: reported is their mean over TP. The engine puts them
+in the backward (`MegatronEngine.train_mini_batch`), never in the reported losses.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class RoutingStats:
     def __init__(self, module: torch.nn.Module, num_layers: int, num_experts: int):
         """Hook the routers of `module` (this rank's pipeline stage of a model of `num_layers` layers)."""
         self.num_layers = num_layers
+        self.sequence_parallel = module.config.sequence_parallel  # each TP rank routes its part of the tokens
         self.tokens_LE = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device.compute_device())
         self.weight = 1.0
         self.routers = [router for router in module.modules() if isinstance(router, TopKRouter)]
@@ -72,11 +75,16 @@ class RoutingStats:
             values_L = tracker[name]["values"].detach().double() * self.weight  # sums over micro-batches
             if tracker[name]["reduce_group"] is not None:  # parts of one loss on the TP (sequence-parallel) ranks
                 dist.all_reduce(values_L, group=tracker[name]["reduce_group"])
+            elif self.sequence_parallel:  # the z-loss: each TP rank's mean over its own part of the tokens
+                dist.all_reduce(values_L, group=layout.tp_group)
+                values_L /= layout.tp
             losses_KL[k] = values_L.to(losses_KL.device)
         clear_aux_losses_tracker()
         # Each pipeline stage holds its own layers (zeros elsewhere); the first stage counts the micro-batches.
         count = torch.tensor([num_micro_batches * self.weight if layout.is_first_stage else 0.0],
                              dtype=torch.float64, device=losses_KL.device)
+        if self.sequence_parallel:
+            dist.all_reduce(self.tokens_LE, group=layout.tp_group)
         totals = torch.cat([self.tokens_LE.flatten(), losses_KL.flatten(), count])
         for group in (layout.pp_group, layout.dp_group):
             dist.all_reduce(totals, group=group)

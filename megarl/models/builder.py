@@ -86,7 +86,9 @@ def moe_transformer_fields(arch: Architecture, layout: ParallelLayout, moe: MoES
         moe_router_score_function="sigmoid" if moe.expert_bias else "softmax",
         moe_router_enable_expert_bias=moe.expert_bias,
         moe_aux_loss_coeff=moe.aux_loss_coeff,
-        moe_z_loss_coeff=moe.z_loss_coeff or None,
+        # megatron divides the z-loss weight by TP, but under sequence parallelism (MoE training at TP > 1)
+        # each TP rank's router sees only its part of the tokens: the division would shrink the loss TP-fold.
+        moe_z_loss_coeff=moe.z_loss_coeff * layout.tp or None,
         moe_token_dispatcher_type=moe.token_dispatcher,
         moe_grouped_gemm=layer_spec == "transformer_engine",
         expert_tensor_parallel_size=layout.etp,
@@ -103,7 +105,7 @@ def resolve_layer_spec(layer_spec: str) -> str:
     return layer_spec
 
 
-def fused_kernels(layer_spec: str, tp: int) -> dict[str, bool]:
+def fused_kernels(layer_spec: str, tp: int, is_moe: bool = False) -> dict[str, bool]:
     """megatron-core's speed features, on where they run (`layer_spec` resolved):
 
     - SwiGLU and bias-dropout-add fusions: megatron's own jit-fused functions, on CUDA;
@@ -112,7 +114,8 @@ def fused_kernels(layer_spec: str, tp: int) -> dict[str, bool]:
     - gradient-accumulation fusion: TE's layers accumulate weight gradients straight into the
       fp32 `main_grad` buffers (megatron's local layers would need Apex's extension for it);
     - sequence parallelism at TP > 1: activations outside attention and MLP are split over the
-      sequence, through reduce-scatters that gloo does not implement.
+      sequence. On CUDA always; on CPU for mixture-of-experts models only, which megatron-core
+      trains at TP > 1 with it alone (dense models keep the CPU path their parity is measured on).
     Masked-softmax and persistent layer-norm fusions stay off: TE's attention and RMSNorm replace
     them, and megatron's local versions need Megatron-LM's own CUDA extensions."""
     cuda, te_layers = device.cuda(), layer_spec == "transformer_engine"
@@ -121,7 +124,7 @@ def fused_kernels(layer_spec: str, tp: int) -> dict[str, bool]:
         "bias_dropout_fusion": cuda,
         "apply_rope_fusion": device.transformer_engine(),
         "gradient_accumulation_fusion": te_layers,
-        "sequence_parallel": cuda and tp > 1,
+        "sequence_parallel": tp > 1 and (cuda or is_moe),
     }
 
 
@@ -162,7 +165,7 @@ def transformer_config(
         use_cpu_initialization=not device.cuda(),
         masked_softmax_fusion=False,
         persist_layer_norm=False,
-        **fused_kernels(layer_spec, layout.tp),
+        **fused_kernels(layer_spec, layout.tp, arch.is_moe),
         **vars(schedule),
         **moe_transformer_fields(arch, layout, moe, layer_spec),
     )

@@ -1,10 +1,10 @@
 """A value head: one scalar per token, in place of the LM output layer (critic, reward model).
 
-The head is replicated on every TP rank (hidden -> 1 cannot be split). It sees the full hidden
-state on every TP rank: with sequence parallelism (GPU, TP > 1) it first all-gathers the sequence
-that the ranks split, and its backward hands each rank the gradient of its own part. So all TP
-ranks compute identical gradients for the head, which needs no extra all-reduce. It matches HF's
-`*ForTokenClassification` head with one label (`score`, a linear layer with bias).
+The head is replicated on every TP rank (hidden -> 1 cannot be split). It sees the full hidden state
+on every TP rank: with sequence parallelism (TP > 1 on GPU; MoE models on CPU too) it first
+all-gathers the sequence that the ranks split, and its backward hands each rank the gradient of its
+own part. So all TP ranks compute identical gradients for the head, which needs no extra all-reduce.
+It matches HF's `*ForTokenClassification` head with one label (`score`, a linear layer with bias).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Colocated vLLM after resharding, for training layouts TP1, TP2, PP2, TP2xPP2 and DP2 (engine TP2),
-and mixture-of-experts models at EP2, TP2xEP2 (engine TP2) and PP2xEP2.
+and mixture-of-experts models at EP2, TP2xEP2 (engine TP2; sequence parallel) and PP2xEP2.
 
 Each launch trains a step, syncs the training shards into a vLLM engine and an `hf` engine on every
 rank, and checks: the synced weights are bit-identical to the HF export of the training model,
@@ -21,25 +21,25 @@ from safetensors.torch import load_file
 from tests.conftest import ROOT, assert_succeeded, torchrun
 
 SCRIPT = ROOT / "tests/distributed/scripts/rollout_checks.py"
-CASES = {  # name: (model, processes, training TP, PP, EP, engine TP)
-    "tp1": ("qwen3-tied", 1, 1, 1, 1, 1),
-    "tp2": ("qwen2-untied", 2, 2, 1, 1, 1),
-    "pp2": ("llama-tied", 2, 1, 2, 1, 1),
-    "tp2pp2": ("qwen3-untied", 4, 2, 2, 1, 1),
-    "dp2-engine-tp2": ("qwen2-tied", 2, 1, 1, 1, 2),
-    "ep2": ("qwen3-moe", 2, 1, 1, 2, 1),
-    # TP2xEP2 trains only with sequence parallelism (CUDA): its plan is tests/unit/resharding's.
-    "ep2-engine-tp2": ("qwen2-moe", 2, 1, 1, 2, 2),
-    "pp2ep2": ("mixtral-untied", 4, 1, 2, 2, 1),
+CASES = {  # name: (model, processes, training TP, PP, EP, expert TP, engine TP)
+    "tp1": ("qwen3-tied", 1, 1, 1, 1, 1, 1),
+    "tp2": ("qwen2-untied", 2, 2, 1, 1, 2, 1),
+    "pp2": ("llama-tied", 2, 1, 2, 1, 1, 1),
+    "tp2pp2": ("qwen3-untied", 4, 2, 2, 1, 2, 1),
+    "dp2-engine-tp2": ("qwen2-tied", 2, 1, 1, 1, 1, 2),
+    "ep2": ("qwen3-moe", 2, 1, 1, 2, 1, 1),
+    # Two processes hold TP2 and EP2 at once: each expert whole (expert TP1) on its EP rank.
+    "tp2ep2-engine-tp2": ("qwen2-moe", 2, 2, 1, 2, 1, 2),
+    "pp2ep2": ("mixtral-untied", 4, 1, 2, 2, 1, 1),
 }
 EXPERT = re.compile(r"model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
 
 
-def rank0_lower_bound(model_dir, tp, pp, ep, engine_tp) -> int:
+def rank0_lower_bound(model_dir, tp, pp, ep, etp, engine_tp) -> int:
     """Bytes training rank 0 (TP rank 0, EP rank 0, first stage) lacks of what engine rank 0 needs,
     counted from the HF tensors by hand: along each tensor's split dim, engine rank 0 needs the
     interval [0, n / TP_r) and training rank 0 holds [0, n / TP) of its stage's tensors (routed
-    experts: of its EP rank's experts only); vocabularies are padded (vLLM to 64 rows, megatron to
+    experts: [0, n / ETP) of its EP rank's experts only); vocabularies are padded (vLLM to 64 rows, megatron to
     128 x TP) before they are split."""
     tensors = {}
     for file in model_dir.glob("*.safetensors"):
@@ -61,17 +61,17 @@ def rank0_lower_bound(model_dir, tp, pp, ep, engine_tp) -> int:
         elif name.endswith(("norm.weight", "mlp.gate.weight", "shared_expert_gate.weight")):
             needed = held = size  # norms, routers and the shared expert's gate: whole on every rank (biases split)
         else:
-            needed, held = size // engine_tp, size // tp
+            needed, held = size // engine_tp, size // (etp if expert else tp)
         missing += (needed - (min(needed, held) if on_rank0 else 0)) * slice_bytes
     return missing
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_rollout_after_resharding(tiny_models, tiny_moe_models, tmp_path, case):
-    model, nproc, tp, pp, ep, engine_tp = CASES[case]
+    model, nproc, tp, pp, ep, etp, engine_tp = CASES[case]
     model_dir = {**tiny_models, **tiny_moe_models}[model]
     result = torchrun(nproc, SCRIPT, "--hf", model_dir, "--out", tmp_path, "--tp", tp, "--pp", pp, "--ep", ep,
-                      "--engine-tp", engine_tp)
+                      "--etp", etp, "--engine-tp", engine_tp)
     assert_succeeded(result)
     report = json.loads(next(l for l in result.stdout.splitlines() if l.startswith("REPORT ")).removeprefix("REPORT "))
     assert report["hf_engine_bit_identical"] and report["vllm_plain_bit_identical"], report
@@ -85,7 +85,8 @@ def test_rollout_after_resharding(tiny_models, tiny_moe_models, tmp_path, case):
     assert report["rollout_vs_trainer_logprob_diff"] <= 1e-4, report
     assert report["buckets"] > 1 and report["reloads_per_sync"] == 1, report
     assert report["layers_processed_once"] and report["failed_load_warnings"] == [], report
-    assert report["bytes_received"] == report["lower_bound"] == rank0_lower_bound(model_dir, tp, pp, ep, engine_tp)
+    expected_bytes = rank0_lower_bound(model_dir, tp, pp, ep, etp, engine_tp)
+    assert report["bytes_received"] == report["lower_bound"] == expected_bytes
     assert 0 < report["peak_reported"] == report["peak_allocated"], report
     assert all(units == 1 for units in report["units_of_buckets_over_size"]), report
     assert report["long_prompt_rejected"] and report["after_failed_generation_equal"], report

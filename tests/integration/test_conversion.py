@@ -1,4 +1,5 @@
-"""Conversion tools: HF -> megarl (TP2) -> HF (PP2) is bit-identical; a trained checkpoint's actor and
+"""Conversion tools: HF -> megarl (TP2) -> HF (PP2) is bit-identical, for mixture-of-experts models
+HF -> megarl (EP2) -> HF (TP2xEP2, verified against `transformers`) too; a trained checkpoint's actor and
 critic convert to HF directories whose `transformers` logits match the megarl models (<= 1e-4) and
 which the vLLM engine loads and serves like `transformers`.
 """
@@ -30,6 +31,18 @@ def test_hf_to_megarl_to_hf_is_bit_identical(tiny_models, tmp_path):
                               "--pp", 2))
     original, converted = _weights(source), _weights(tmp_path / "hf")
     assert sorted(original) == sorted(converted)
+    assert all(torch.equal(original[name], converted[name]) for name in original)
+
+
+def test_moe_hf_to_megarl_at_ep2_to_hf_at_tp2xep2_is_bit_identical(tiny_moe_models, tmp_path):
+    source = tiny_moe_models["qwen2-moe"]
+    assert_succeeded(torchrun(2, FROM_HF, "--hf", source, "--output", tmp_path / "ckpt", "--ep", 2))
+    result = torchrun(2, TO_HF, "--checkpoint", tmp_path / "ckpt/global_step_0", "--output", tmp_path / "hf",
+                      "--tp", 2, "--ep", 2, "--etp", 1, "--verify")
+    assert_succeeded(result)
+    assert "OK" in result.stdout
+    original, converted = _weights(source), _weights(tmp_path / "hf")
+    assert sorted(original) == sorted(converted) and any(".experts." in name for name in original)
     assert all(torch.equal(original[name], converted[name]) for name in original)
 
 

@@ -24,9 +24,14 @@ from megarl.distributed import cpu_compat  # noqa: E402
 
 cpu_compat.apply_cpu_compat(skip=[args.skip] if args.skip else [])
 
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+from megatron.core.distributed import (  # noqa: E402
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32  # noqa: E402
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region  # noqa: E402
 
 from megarl.checkpoint.optimizer_state import initialize_optimizer_state, sharded_optimizer_state  # noqa: E402
 from megarl.distributed import init_layout  # noqa: E402
@@ -130,9 +135,39 @@ def alltoall_split_sizes():
         torch.testing.assert_close(grad, expected_grads[name], msg=name)
 
 
+def torch_norm_sequence_parallel():
+    layout = init_layout(tp=2, ep=2, etp=1)  # MoE at TP > 1: sequence parallel
+    model = build_model(moe_arch, layout)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    logits = ddp(tokens_BT, torch.arange(tokens_BT.shape[1]).expand_as(tokens_BT), attention_mask=None)
+    logits.sum().backward()
+    finalize_model_grads([ddp])
+    # Each TP rank normed half of the tokens; the finalized gradients of every norm are the sum over both.
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            grads = [torch.zeros_like(param.main_grad) for _ in range(2)]
+            dist.all_gather(grads, param.main_grad, group=layout.tp_group)
+            assert torch.equal(grads[0], grads[1]) and grads[0].abs().sum() > 0, name
+
+
+def uneven_sequence_parallel():
+    # The expert-TP token gather of megatron's alltoall dispatcher (at EP > 1 a different number of tokens
+    # from each sequence-parallel rank) and its backward, a reduce-scatter of those parts.
+    layout = init_layout(tp=2)
+    sizes, rank = [3, 5], layout.tp_rank
+    mine = torch.full((sizes[rank], 4), rank + 1.0, requires_grad=True)
+    gathered = gather_from_sequence_parallel_region(mine, group=layout.tp_group, output_split_sizes=sizes)
+    assert torch.equal(gathered, torch.cat([torch.full((n, 4), r + 1.0) for r, n in enumerate(sizes)]))
+    (gathered * torch.arange(8.0)[:, None] * (rank + 1)).sum().backward()
+    # Each rank's part of the upstream gradients summed over both ranks (factors 1 + 2).
+    expected = (torch.arange(8.0)[:, None] * 3).expand(8, 4)[sum(sizes[:rank]) : sum(sizes[: rank + 1])]
+    assert torch.equal(mine.grad, expected)
+
+
 SCENARIOS = {f.__name__: f for f in (rng_tracker, current_device, cuda_factories, synchronize, tensor_cuda,
                                      clip_grads_type, optimizer_type, optimizer_gather_cuda, te_general_gemm,
-                                     alltoall_streams, alltoall_split_sizes)}
+                                     alltoall_streams, alltoall_split_sizes, torch_norm_sequence_parallel,
+                                     uneven_sequence_parallel)}
 assert set(SCENARIOS) == {bridge.name for bridge in cpu_compat.BRIDGES}
 
 failed = False

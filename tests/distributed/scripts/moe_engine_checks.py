@@ -6,8 +6,11 @@ Phases, each after `init_layout` at its EP size:
    Before the step, scoring of uneven shares (DP ranks with 2 and 3 micro-batches); after it, a step
    that DP rank 1 sits out (its zero-weight stand-in repeated: expert parallelism needs equal
    micro-batch counts).
-2. EP2: a checkpoint after those two steps, then step 3; a fresh engine loads the checkpoint and takes
-   step 3 again (exact resume).
+   Then TP2xEP2 (DP1, each expert whole: ETP1; sequence parallel): the same step on the whole batch
+   in the DP2 runs' micro-batches, and an MoE critic's values and one step of a squared-value loss.
+2. EP2: a checkpoint after those two steps, then steps 3 and 4; a fresh engine loads the checkpoint and
+   takes step 3 again (exact resume). Across EP sizes: EP1's checkpoint (after the same two steps)
+   resumed at EP2, and EP2's resumed at EP1, each take steps 3 and 4.
 3. EP2 with aux-loss-free balancing: the expert bias after one step.
 4. Router replay, with routers perturbed (the same noise at every layout) so that their own routing
    differs from the "rollout's" (HF's routing of the unperturbed model, recorded for all positions
@@ -29,7 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from megarl.checkpoint import Checkpointer
 from megarl.config.schema import EngineConfig, ModelConfig, MoEConfig, OptimizerConfig
@@ -109,6 +112,25 @@ def reference(model_dir, dp):
             "sigmoid_tokens_LE": sigmoid_tokens_LE}
 
 
+def value_loss(outputs, micro_batch, normalizer):
+    mask = micro_batch.response_mask_BR.to(outputs["values"].device)
+    return (outputs["values"] * mask).square().sum() / normalizer.num_tokens, {}
+
+
+def hf_value_step(model_dir):
+    """`transformers`: (8, R) values of the response tokens and the gradient norm of `value_loss` on the batch."""
+    model = AutoModelForTokenClassification.from_pretrained(model_dir, dtype=torch.float32)
+    values, loss = torch.zeros(8, int(response_lengths.max())), torch.zeros(())
+    for i in range(8):
+        length, start = int(lengths[i]), int(prompt_lengths[i])
+        values_R = model(tokens[i : i + 1, :length]).logits[0, start - 1 : length - 1, 0]
+        values[i, : length - start] = values_R.detach()
+        loss = loss + values_R.square().sum() / int(response_lengths.sum())
+    loss.backward()
+    grads = [p.grad.double() for p in model.parameters() if p.grad is not None]
+    return values, float(torch.sqrt(sum(grad.square().sum() for grad in grads)))
+
+
 def hf_scores(model_dir):
     """(8, R) log-probs at TEMPERATURE from a `transformers` forward on each sequence."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -139,6 +161,17 @@ def local_batch(layout):
 
 def engine(layout, policy, moe=moe_losses):
     return MegatronEngine(layout, ModelConfig(path=policy, moe=moe), engine_config, total_optimizer_steps=10)
+
+
+def checkpointer(root, policy):
+    return Checkpointer(root, policy, Path(policy) / "config.json", max_to_keep=0)
+
+
+def resumed_steps(layout, policy, directory, batch):
+    """The metrics of two steps of an engine resumed from `directory` (the second shows the Adam state)."""
+    resumed = engine(layout, policy)
+    checkpointer(directory.parent, policy).load(directory, {"actor": resumed})
+    return [resumed.train_mini_batch(batch, policy_loss, temperature=TEMPERATURE)[0] for _ in range(2)]
 
 
 def hf_routing(model_dir):
@@ -202,6 +235,7 @@ def main():
     """The phases; a function so that checkpoint writers, which re-import this module, run nothing."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--policy", required=True)
+    parser.add_argument("--value", required=True, help="an MoE value model")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     out = Path(args.out)
@@ -224,15 +258,39 @@ def main():
         # A step that DP rank 1 sits out with a stand-in.
         report[f"ep{ep}"]["idle_step"], _ = policy.train_mini_batch(everything.select(uneven[:3]), policy_loss,
                                                                     temperature=TEMPERATURE, idle=layout.dp_rank == 1)
+        if ep == 1:  # for a resume at EP2 (phase 2)
+            checkpointer(out / "checkpoints_ep1", args.policy).save(2, {"actor": policy}, {})
+
+    # Phase 1b: TP2xEP2 (DP1, ETP1: sequence parallel) on the whole batch, cut into the DP2 runs' micro-batches.
+    tp_layout = init_layout(tp=2, ep=2, etp=1)
+    order = [i for share in shares(2) for i in share]
+    tp_policy = engine(tp_layout, args.policy)
+    scores = tp_policy.score(everything.select(order), temperature=TEMPERATURE)["logprobs"]
+    score_diff = worst(float((scores - expected[order, : scores.shape[1]]).abs().max()))
+    metrics, _ = tp_policy.train_mini_batch(everything.select(order), policy_loss, temperature=TEMPERATURE)
+    export_hf(tp_policy.module, tp_policy.arch, tp_layout, str(out / "tp2ep2"), args.policy)
+    report["tp2ep2"] = dict(metrics, score_diff=score_diff)
+    critic = MegatronEngine(tp_layout, ModelConfig(path=args.value), engine_config, total_optimizer_steps=10)
+    values = critic.score(everything)["values"]
+    expected_values, report["critic_reference_grad_norm"] = hf_value_step(args.value)
+    report["critic_value_diff"] = worst(float((values - expected_values[:, : values.shape[1]]).abs().max()))
+    report["critic_step"], _ = critic.train_mini_batch(everything, value_loss)
+    layout = init_layout(ep=2)
 
     # Phase 2 (EP2): checkpoint after two steps, then step 3; resumed, step 3 again.
-    checkpointer = Checkpointer(out / "checkpoints", args.policy, Path(args.policy) / "config.json", max_to_keep=0)
-    checkpointer.save(2, {"actor": policy}, {})
+    checkpointer(out / "checkpoints", args.policy).save(2, {"actor": policy}, {})
     report["step3"], _ = policy.train_mini_batch(batch, policy_loss, temperature=TEMPERATURE)
     resumed = engine(layout, args.policy)
-    checkpointer.load(out / "checkpoints/global_step_2", {"actor": resumed})
+    checkpointer(out / "checkpoints", args.policy).load(out / "checkpoints/global_step_2", {"actor": resumed})
     report["step3_resumed_ep2"], _ = resumed.train_mini_batch(batch, policy_loss, temperature=TEMPERATURE)
     report["weights_diff_resumed_ep2"] = weights_diff(policy, resumed)
+    report["step4"], _ = policy.train_mini_batch(batch, policy_loss, temperature=TEMPERATURE)
+    # Resumes across EP sizes (chained optimizer at EP2, single at EP1): steps 3 and 4 again.
+    report["resumed_from_ep1"] = resumed_steps(layout, args.policy, out / "checkpoints_ep1/global_step_2", batch)
+    ep1_layout = init_layout(ep=1)
+    report["resumed_at_ep1"] = resumed_steps(ep1_layout, args.policy, out / "checkpoints/global_step_2",
+                                             local_batch(ep1_layout)[1])
+    layout = init_layout(ep=2)
 
     # Phase 3 (EP2): aux-loss-free balancing moves each expert's bias by the update rate towards equal loads.
     balanced = engine(layout, args.policy, MoEConfig(expert_bias=True))

@@ -38,10 +38,11 @@ parser.add_argument("--out", required=True)
 parser.add_argument("--tp", type=int, default=1)
 parser.add_argument("--pp", type=int, default=1)
 parser.add_argument("--ep", type=int, default=1)
+parser.add_argument("--etp", type=int, default=0, help="expert tensor-parallel size; 0: as --tp")
 parser.add_argument("--engine-tp", type=int, default=1)
 args = parser.parse_args()
 
-layout = init_layout(tp=args.tp, pp=args.pp, ep=args.ep)
+layout = init_layout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
 rank = dist.get_rank()
 report = {}
 actor = MegatronEngine(layout, ModelConfig(path=args.hf), EngineConfig(micro_batch_size_per_rank=4,

@@ -1,4 +1,5 @@
-"""Fused kernels and sequence parallelism are on exactly where they run, and megatron-core accepts
+"""Fused kernels and sequence parallelism are on exactly where they run (sequence parallelism also for
+mixture-of-experts models on CPU), and megatron-core accepts
 the configuration it gets on CUDA (its own checks run when the config is built, no GPU needed)."""
 
 from __future__ import annotations
@@ -21,17 +22,19 @@ OFF = dict.fromkeys(("bias_activation_fusion", "bias_dropout_fusion", "apply_rop
                      "gradient_accumulation_fusion", "sequence_parallel"), False)
 
 
-@pytest.mark.parametrize(("cuda", "te", "layer_spec", "tp", "on"), [
-    (False, False, "local", 2, set()),
-    (True, False, "local", 1, {"bias_activation_fusion", "bias_dropout_fusion"}),
-    (True, False, "local", 2, {"bias_activation_fusion", "bias_dropout_fusion", "sequence_parallel"}),
-    (True, True, "local", 1, {"bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion"}),
-    (True, True, "transformer_engine", 4, set(OFF)),
+@pytest.mark.parametrize(("cuda", "te", "layer_spec", "tp", "moe", "on"), [
+    (False, False, "local", 2, False, set()),
+    (False, False, "local", 1, True, set()),
+    (False, False, "local", 2, True, {"sequence_parallel"}),  # megatron trains MoE at TP > 1 only with it
+    (True, False, "local", 1, False, {"bias_activation_fusion", "bias_dropout_fusion"}),
+    (True, False, "local", 2, False, {"bias_activation_fusion", "bias_dropout_fusion", "sequence_parallel"}),
+    (True, True, "local", 1, False, {"bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion"}),
+    (True, True, "transformer_engine", 4, False, set(OFF)),
 ])
-def test_speed_features_follow_the_device(monkeypatch, cuda, te, layer_spec, tp, on):
+def test_speed_features_follow_the_device(monkeypatch, cuda, te, layer_spec, tp, moe, on):
     monkeypatch.setattr(device, "cuda", lambda: cuda)
     monkeypatch.setattr(device, "transformer_engine", lambda: cuda and te)
-    assert builder.fused_kernels(layer_spec, tp) == {**OFF, **dict.fromkeys(on, True)}
+    assert builder.fused_kernels(layer_spec, tp, moe) == {**OFF, **dict.fromkeys(on, True)}
 
 
 def test_megatron_accepts_the_cuda_configuration_without_transformer_engine(monkeypatch):
