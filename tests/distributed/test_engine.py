@@ -213,18 +213,22 @@ def test_aux_loss_free_expert_bias_moves_towards_equal_load(moe_run):
 
 def test_router_replay_routes_every_recorded_token_as_the_rollout_did(moe_run):
     report, _ = moe_run
-    own, replayed, replayed_pp2 = report["own_routing"], report["replayed"], report["replayed_pp2"]
+    own, replayed = report["own_routing"], report["replayed"]
+    replayed_pp2, replayed_tp2ep2 = report["replayed_pp2"], report["replayed_tp2ep2"]
     recorded = 4 * sum(n - 1 for n in (15, 15, 14, 19, 7, 11, 11, 16))  # 4 layers x (length - 1) per sequence
-    assert own["recorded"] == replayed["recorded"] == replayed_pp2["recorded"] == recorded
+    for run in (own, replayed, replayed_pp2, replayed_tp2ep2):
+        assert run["recorded"] == recorded
     # Perturbed routers route part of the tokens elsewhere on their own; the metric counts what the hook saw.
     assert 0 < own["differing"] < recorded / 2
     assert own["moe/routing_agreement"] == pytest.approx(1 - own["differing"] / recorded, abs=1e-12)
-    # With replay every recorded (token, layer) goes to the rollout's experts, at EP2 and at PP2 with
-    # recomputation. The metric still measures the routers' own choice, which differs from the one
-    # without replay from the second layer on: their inputs came through other experts.
-    assert replayed["differing"] == 0 and replayed_pp2["differing"] == 0
+    # With replay every recorded (token, layer) goes to the rollout's experts, at EP2, at PP2 with
+    # recomputation and at TP2xEP2 (sequence parallel: each TP rank routes its slice of the positions).
+    # The metric still measures the routers' own choice, which differs from the one without replay from
+    # the second layer on: their inputs came through other experts.
+    assert replayed["differing"] == replayed_pp2["differing"] == replayed_tp2ep2["differing"] == 0
     assert 0 < replayed["moe/routing_agreement"] < 1
-    assert replayed_pp2["moe/routing_agreement"] == pytest.approx(replayed["moe/routing_agreement"], abs=1e-12)
     assert replayed["loss"] != own["loss"]
-    assert replayed_pp2["loss"] == pytest.approx(replayed["loss"], abs=1e-5)  # seen 1e-6 apart: sums in another order
-    assert replayed_pp2["grad_norm"] == pytest.approx(replayed["grad_norm"], rel=1e-5)
+    for other in (replayed_pp2, replayed_tp2ep2):
+        assert other["moe/routing_agreement"] == pytest.approx(replayed["moe/routing_agreement"], abs=1e-12)
+        assert other["loss"] == pytest.approx(replayed["loss"], abs=1e-5)  # seen 1e-6 apart: sums in another order
+        assert other["grad_norm"] == pytest.approx(replayed["grad_norm"], rel=1e-5)

@@ -200,13 +200,14 @@ def perturb_routers(policy):
 def replay_step(layout, policy_dir, batch, replay, recompute=False):
     """One step on `batch` (this DP rank's share: `micro_batches` index it) with perturbed routers: its
     metrics and, from a hook, the number of recorded (token, layer) pairs whose training routing
-    differs from the rollout's and their count (all sequences' first n - 1 positions)."""
+    differs from the rollout's and their count (all sequences' first n - 1 positions). Under sequence
+    parallelism each TP rank's routers see its slice of the positions."""
     # Without router losses, which megatron takes per micro-batch: the step is then the same at any layout.
     config = replace(engine_config, recompute_activations=recompute)
     policy = MegatronEngine(layout, ModelConfig(path=policy_dir), config, total_optimizer_steps=10,
                             router_replay=replay)
     perturb_routers(policy)
-    calls = []  # (layer, (T * b, E) routing map) of each training forward, in order
+    calls = []  # (layer, (T / TP * b, E) routing map) of each training forward, in order
     for router in policy.routing.routers:
         router.register_forward_hook(lambda module, args, output: calls.append(
             (module.layer_number - 1, output[1].detach().cpu())) if torch.is_grad_enabled() else None)
@@ -218,15 +219,17 @@ def replay_step(layout, policy_dir, batch, replay, recompute=False):
         for layer, routing_map in calls[m * layers_here : (m + 1) * layers_here]:
             width = routing_map.shape[0] // len(indices)
             map_bTE = routing_map.view(width, len(indices), -1).transpose(0, 1)
+            first = layout.tp_rank * width if policy.sequence_multiple > 1 else 0
             for row, i in enumerate(indices):
-                n = int(batch.sequence_lengths_B[i]) - 1
+                n = max(0, min(int(batch.sequence_lengths_B[i]) - 1, first + width) - first)
                 expected = torch.zeros(n, map_bTE.shape[-1], dtype=torch.bool).scatter(
-                    1, batch.routed_experts_BTLK[i, :n, layer].long(), True)
+                    1, batch.routed_experts_BTLK[i, first : first + n, layer].long(), True)
                 differing += int((map_bTE[row, :n] != expected).any(-1).sum())
                 recorded += n
     assert len(calls) == len(micro) * layers_here, (len(calls), len(micro), layers_here)
     counts = torch.tensor([float(differing), float(recorded)])
-    for group in (layout.pp_group, layout.dp_group):
+    sequence_parallel = [layout.tp_group] if policy.sequence_multiple > 1 else []
+    for group in sequence_parallel + [layout.pp_group, layout.dp_group]:
         dist.all_reduce(counts, group=group)
     return dict(metrics, differing=counts[0].item(), recorded=counts[1].item())
 
@@ -303,6 +306,7 @@ def main():
     report["own_routing"] = replay_step(layout, args.policy, routed.select(share), replay=False)
     report["replayed"] = replay_step(layout, args.policy, routed.select(share), replay=True)
     report["replayed_pp2"] = replay_step(init_layout(pp=2), args.policy, routed, replay=True, recompute=True)
+    report["replayed_tp2ep2"] = replay_step(init_layout(tp=2, ep=2, etp=1), args.policy, routed, replay=True)
 
     reference_step = reference(args.policy, layout.dp)
     report["reference"] = {name: value.tolist() if torch.is_tensor(value) else value
