@@ -72,7 +72,8 @@ def bench_phase_timer(python_profiles: dict[str, cProfile.Profile]):
 def operator_costs(events, steps: int) -> dict[str, dict]:
     """Per phase: ms per step inside its range, of which outside any operator, and the operators'
     self CPU ms per step with their calls per step."""
-    phases: dict[str, dict] = defaultdict(lambda: {"ms": 0.0, "outside_ops_ms": 0.0, "ops": defaultdict(lambda: [0.0, 0])})
+    phases: dict[str, dict] = defaultdict(
+        lambda: {"ms": 0.0, "outside_ops_ms": 0.0, "ops": defaultdict(lambda: [0.0, 0])})
     for event in events:
         if event.name.startswith(RANGE):
             phase = phases[event.name.removeprefix(RANGE)]
