@@ -88,6 +88,7 @@ def validate(config: RunConfig) -> None:
     _check_supported("actor.cp", actor.cp, "context parallelism is not implemented")
     _check_engine("actor", actor)
     _check_engine("critic", config.critic)
+    _check_at_least("teacher.micro_batch_size_per_rank", config.teacher.micro_batch_size_per_rank, 0)
     _check_engine("prime", config.prime)
     _check_choice("prime.update", config.prime.update, PRIME_UPDATES)
     if config.prime.beta <= 0:

@@ -45,6 +45,14 @@ class RolloutOutput:
     ran); empty for dense models."""
 
 
+def routed_experts_shape(hf_config) -> tuple[int, int] | None:
+    """(MoE layers, experts per token) of the routing an engine records for a model of this HF config
+    (every layer of the supported MoE families is an MoE layer, `megarl.models.architecture`); None for
+    a dense model."""
+    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+    return (hf_config.num_hidden_layers, hf_config.num_experts_per_tok) if experts else None
+
+
 class RolloutEngine(Protocol):
     routed_experts_shape: tuple[int, int] | None
     """(MoE layers, experts per token) of the routing each output carries; None for dense models."""

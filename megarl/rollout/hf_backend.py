@@ -21,7 +21,7 @@ from typing import Iterable
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from megarl.rollout.base import ROLLOUT_BACKENDS, RolloutOutput, Sampling, WeightUpdateGuard
+from megarl.rollout.base import ROLLOUT_BACKENDS, RolloutOutput, Sampling, WeightUpdateGuard, routed_experts_shape
 
 
 @ROLLOUT_BACKENDS.register("hf")
@@ -31,10 +31,8 @@ class HFRollout:
         self.eos_token_id = self.model.generation_config.eos_token_id
         self.guard = WeightUpdateGuard(has_weights=not dummy_weights)
         self.routed: list[list[torch.Tensor]] = []  # per layer, the (tokens, k) indices of each forward
-        self.routed_experts_shape = None
-        config = self.model.config
-        if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
-            self.routed_experts_shape = (config.num_hidden_layers, config.num_experts_per_tok)
+        self.routed_experts_shape = routed_experts_shape(self.model.config)
+        if self.routed_experts_shape is not None:
             self.routed = [[] for _ in self.model.model.layers]
             for layer, decoder_layer in enumerate(self.model.model.layers):
                 decoder_layer.mlp.gate.register_forward_hook(

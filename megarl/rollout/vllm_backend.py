@@ -30,7 +30,7 @@ import torch
 
 from megarl import device
 from megarl.rollout import routing_capture
-from megarl.rollout.base import ROLLOUT_BACKENDS, RolloutOutput, Sampling, WeightUpdateGuard
+from megarl.rollout.base import ROLLOUT_BACKENDS, RolloutOutput, Sampling, WeightUpdateGuard, routed_experts_shape
 
 
 @contextlib.contextmanager
@@ -77,7 +77,9 @@ class _NothingToReload(logging.Filter):
 class VLLMRollout:
     def __init__(self, model_dir: str, dtype: str, tensor_parallel_size: int, max_model_len: int,
                  kv_cache_bytes: int, gpu_memory_utilization: float, seed: int, dummy_weights: bool = False):
-        self.routed_experts_shape = _routed_experts_shape(model_dir)
+        from transformers import AutoConfig
+
+        self.routed_experts_shape = routed_experts_shape(AutoConfig.from_pretrained(model_dir))
         moe = self.routed_experts_shape is not None
         with _preserve_process_state():
             from vllm import LLM
@@ -166,16 +168,6 @@ class VLLMRollout:
     def wake_up(self, tags: tuple[str, ...]) -> None:
         if device.sleep_mode():
             self.llm.wake_up(tags=list(tags))
-
-
-def _routed_experts_shape(model_dir: str) -> tuple[int, int] | None:
-    """(MoE layers, experts per token) of the HF config; None for a dense model (every layer of the
-    supported MoE families is an MoE layer, `megarl.models.architecture`)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_dir)
-    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
-    return (config.num_hidden_layers, config.num_experts_per_tok) if experts else None
 
 
 def _refresh_lm_head(worker) -> None:

@@ -51,16 +51,19 @@ def parse_config(argv: Sequence[str], rl: bool) -> RunConfig:
         check_estimator_needs(config)
     require(["core", *(["vllm"] if config.rollout.backend == "vllm" else []),
              *(["mlflow"] if "mlflow" in config.trainer.loggers else [])])
-    if not (Path(config.model.path) / "config.json").is_file():
-        raise ConfigError(
-            f"config key 'model.path' = {config.model.path!r} has no config.json; "
-            "expected a HuggingFace model directory (make one with checkpoints_tools/make_tiny_model.py)"
-        )
-    if rl:
-        from megarl.trainer.teacher import check_teacher
+    require_hf_directory("model.path", config.model.path)
+    if rl and config.teacher.path:
+        from megarl.trainer.teacher import check_shared_tokenizer
 
-        check_teacher(config)
+        require_hf_directory("teacher.path", config.teacher.path)
+        check_shared_tokenizer(config)
     return config
+
+
+def require_hf_directory(key: str, path: str) -> None:
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"config key '{key}' = {path!r} has no config.json; expected a HuggingFace model "
+                          "directory (make one with checkpoints_tools/make_tiny_model.py)")
 
 
 def check_registered_names(config: RunConfig) -> None:
@@ -93,6 +96,13 @@ def check_estimator_needs(config: RunConfig) -> None:
     if estimator.needs_values and not config.critic.enable:
         raise ConfigError(f"config key 'algorithm.adv_estimator' = {name!r} needs a critic; set critic.enable=true "
                           "or choose an estimator without values (e.g. grpo)")
+    teacher = config.teacher.path
+    if estimator.needs_teacher and not teacher:
+        raise ConfigError(f"config key 'teacher.path' is empty: algorithm.adv_estimator={name!r} distills from a "
+                          "teacher; expected a HuggingFace model directory")
+    if teacher and not estimator.needs_teacher:
+        raise ConfigError(f"config key 'teacher.path' = {teacher!r} is set but algorithm.adv_estimator={name!r} "
+                          "uses no teacher; expected an estimator that does (opd) or an empty teacher.path")
 
 
 def start_run(argv: Sequence[str], rl: bool) -> Run:

@@ -13,11 +13,10 @@ follows `actor.offload` between uses, as the reference does.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import torch
 
-from megarl.algorithms import ADVANTAGE_ESTIMATORS, reverse_kl_tokens
+from megarl.algorithms import reverse_kl_tokens
 from megarl.config import ConfigError, RunConfig
 from megarl.config.schema import ActorConfig
 from megarl.trainer.metrics import ShareStats
@@ -25,25 +24,9 @@ from megarl.trainer.metrics import ShareStats
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
-def check_teacher(config: RunConfig) -> None:
-    """A teacher is given exactly when the estimator needs one, is a HF directory, and shares the
-    student's tokenizer (user errors as one-line `ConfigError`s)."""
-    name, teacher = config.algorithm.adv_estimator, config.teacher
-    needs_teacher = ADVANTAGE_ESTIMATORS.get(name).needs_teacher
-    if needs_teacher and not teacher.path:
-        raise ConfigError(f"config key 'teacher.path' is empty: algorithm.adv_estimator={name!r} distills from a "
-                          "teacher; expected a HuggingFace model directory")
-    if teacher.path and not needs_teacher:
-        raise ConfigError(f"config key 'teacher.path' = {teacher.path!r} is set but algorithm.adv_estimator={name!r} "
-                          "uses no teacher; expected an estimator that does (opd) or an empty teacher.path")
-    if teacher.micro_batch_size_per_rank < 0:
-        raise ConfigError(f"config key 'teacher.micro_batch_size_per_rank' = {teacher.micro_batch_size_per_rank} "
-                          "is out of range; allowed: integers >= 0 (0: the actor's)")
-    if not teacher.path:
-        return
-    if not (Path(teacher.path) / "config.json").is_file():
-        raise ConfigError(f"config key 'teacher.path' = {teacher.path!r} has no config.json; "
-                          "expected a HuggingFace model directory")
+def check_shared_tokenizer(config: RunConfig) -> None:
+    """The teacher shares the student's tokenizer (a one-line `ConfigError` naming both paths)."""
+    teacher = config.teacher
     difference = tokenizer_difference(config.model.path, teacher.path)
     if difference:
         raise ConfigError(f"teacher.path={teacher.path!r} and model.path={config.model.path!r} have different "
