@@ -127,7 +127,7 @@ class MegatronEngine:
             if self.arch.is_moe:
                 self.routing = RoutingStats(self.module, self.arch.num_layers, self.arch.num_experts)
                 self.rollout_routing = RoutingReplay(
-                    self.module, router_replay, recomputes=config.recompute_activations,
+                    self.routing.routers, router_replay, recomputes=config.recompute_activations,
                     sequence_parallel_rank=layout.tp_rank, sequence_parallel_size=self.sequence_multiple)
         self.memory = MemoryPhases(self.model, self.optimizer)
 

@@ -37,9 +37,9 @@ from megarl.distributed.layout import ParallelLayout
 class RoutingReplay:
     """The rollout's routing in one model's routers: replayed (`replay`) or only compared."""
 
-    def __init__(self, module: torch.nn.Module, replay: bool, recomputes: bool, sequence_parallel_rank: int,
+    def __init__(self, routers: list[TopKRouter], replay: bool, recomputes: bool, sequence_parallel_rank: int,
                  sequence_parallel_size: int):
-        """Hook the routers of `module` (this rank's pipeline stage). `recomputes`: layers are fully
+        """Hook `routers` (those of this rank's pipeline stage). `recomputes`: layers are fully
         recomputed in the backward; with sequence parallelism each TP rank's routers see its
         `sequence_parallel_rank`-th of every micro-batch's tokens."""
         self.replay, self.recomputes = replay, recomputes
@@ -48,11 +48,10 @@ class RoutingReplay:
         self.recorded_N: torch.Tensor | None = None
         self.counts = torch.zeros(2, dtype=torch.float64, device=device.compute_device())  # (agreeing, recorded)
         self.layers: list[_LayerReplay] = []
-        for router in module.modules():
-            if isinstance(router, TopKRouter):
-                assert not router.config.moe_router_fusion, "megatron's fused top-k never consults RouterReplay"
-                router.router_replay = _LayerReplay(self, router.layer_number - 1)  # every layer is an MoE layer
-                self.layers.append(router.router_replay)
+        for router in routers:
+            assert not router.config.moe_router_fusion, "megatron's fused top-k never consults RouterReplay"
+            router.router_replay = _LayerReplay(self, router.layer_number - 1)  # every layer is an MoE layer
+            self.layers.append(router.router_replay)
 
     def begin(self, has_routing: bool) -> None:
         """Start a pass over micro-batches (and its agreement counts); without rollout routing the
