@@ -252,8 +252,8 @@ class Pricing:
                    for n in self.workload.responses.quantiles(self.workload.sequences))
 
     def train_seconds(self, num_gpus: int, colocated: bool) -> float:
-        mfu = self.efficiency.colocated_train_mfu if colocated and self.efficiency.colocated_train_mfu else \
-            self.efficiency.train_mfu
+        e = self.efficiency
+        mfu = (e.colocated_train_mfu or e.train_mfu) if colocated else e.train_mfu
         return 3 * self.forward_flops() / (num_gpus * self.cluster.gpu.bf16_flops * mfu)
 
     def logprob_seconds(self, num_gpus: int, colocated: bool) -> float:
@@ -362,7 +362,8 @@ def report(pricing: Pricing, published: Published | None) -> None:
           f"sync {pricing.colocated_sync_seconds():.1f}; split sync {pricing.split_sync_seconds():.1f}")
     if published:
         print("  verl measured, s: colocated " + ", ".join(f"{k} {v}" for k, v in published.colocated.items())
-              + f"; fully async at {published.split}: " + ", ".join(f"{k} {v}" for k, v in published.fully_async.items()))
+              + f"; fully async at {published.split}: "
+              + ", ".join(f"{k} {v}" for k, v in published.fully_async.items()))
     colocated, even, rows = step(pricing, SCHEDULES[0], 0), n // 2, []
     for schedule in SCHEDULES:
         if schedule.staleness is None:
@@ -406,9 +407,10 @@ def main() -> None:
     print("Asynchronous split placement against colocated synchronous training, on paper "
           "(bench/async_cost_model.py; every input named there with its source or marked ASSUMPTION)")
     r = DAPO_7B.responses
-    print(f"{QWEN25_7B.name} ({QWEN25_7B.matmul_params / 1e9 + QWEN25_7B.vocab_size * QWEN25_7B.hidden_size / 1e9:.2f}B "
+    print(f"{QWEN25_7B.name} ({QWEN25_7B.weight_bytes / BF16 / 1e9:.2f}B "
           f"parameters, {QWEN25_7B.kv_bytes_per_token / 1024:.0f} KiB of KV cache per token), DAPO "
-          f"{DAPO_7B.prompts} prompts x {DAPO_7B.samples} responses per step, prompts of {DAPO_7B.prompt_length} tokens, "
+          f"{DAPO_7B.prompts} prompts x {DAPO_7B.samples} responses per step, "
+          f"prompts of {DAPO_7B.prompt_length} tokens, "
           f"responses log-normal median {r.median:.0f} sigma {r.sigma:g} clipped at {r.max_length} (mean "
           f"{r.mean():.0f}; the longest of a step's {DAPO_7B.sequences}: {r.quantiles(DAPO_7B.sequences)[0]})")
     print("speed-up: colocated step / split step, same GPUs and samples per step; busy: seconds per step each side "
@@ -419,8 +421,8 @@ def main() -> None:
         print(f"decode tokens/s per {gpu.name} by batch size: " + decode_throughput(pricing, [1, 16, 64, 256, 1024]))
     for num_gpus in (64, 128):
         report(Pricing(QWEN25_7B, DAPO_7B, Cluster(H20, num_gpus), assumed), VERL_FULLY_ASYNC[num_gpus])
-    print("\nThe same with the colocated trainer at half the split trainer's MFU, as verl's own update_actor times show "
-          "(113.81 s on 128 colocated GPUs, 113.16 s on 64 split ones):")
+    print("\nThe same with the colocated trainer at half the split trainer's MFU, as verl's own update_actor "
+          "times show (113.81 s on 128 colocated GPUs, 113.16 s on 64 split ones):")
     report(Pricing(QWEN25_7B, DAPO_7B, Cluster(H20, 128), replace(assumed, colocated_train_mfu=assumed.train_mfu / 2)),
            VERL_FULLY_ASYNC[128])
     print("\nIssue 16's example: the same task on 64 H100s:")

@@ -2,7 +2,8 @@
 
 Writes a JSON record: the seconds of every training step (generation + update, measured from the
 trainer's step-begin to step-end callbacks), the prompt + completion tokens of every step, and the
-held-out greedy accuracy every --eval-every steps (evaluation time is not part of any step).
+held-out greedy accuracy before training and every --eval-every steps (0: never; evaluation time is not
+part of any step).
 """
 
 from __future__ import annotations
@@ -60,14 +61,15 @@ class Record(TrainerCallback):
         self._started = 0.0
 
     def on_train_begin(self, args, state, control, model=None, **_):
-        self.accuracy.append((0, greedy_accuracy(model, self.tokenizer, self.test, self.max_new_tokens)))
+        if self.eval_every:
+            self.accuracy.append((0, greedy_accuracy(model, self.tokenizer, self.test, self.max_new_tokens)))
 
     def on_step_begin(self, args, state, control, **_):
         self._started = time.perf_counter()
 
     def on_step_end(self, args, state, control, model=None, **_):
         self.step_seconds.append(time.perf_counter() - self._started)
-        if state.global_step % self.eval_every == 0 or state.global_step == state.max_steps:
+        if self.eval_every and (state.global_step % self.eval_every == 0 or state.global_step == state.max_steps):
             accuracy = greedy_accuracy(model, self.tokenizer, self.test, self.max_new_tokens)
             self.accuracy.append((state.global_step, accuracy))
             print(f"trl step {state.global_step}: held-out accuracy {accuracy:.3f}", flush=True)

@@ -1,19 +1,30 @@
 """End to end against TRL: GRPO on the same task, checkpoint and settings, in one run on this machine.
 
-    python bench/trl_vs_megarl.py
+    python bench/trl_vs_megarl.py                                   # everything, ~20-25 min on 2 cores
+    python bench/trl_vs_megarl.py --sizes 1m --shapes 16x8 --steps 100 --timing-steps 20   # a quick look
 
-1. Makes a tiny Qwen2 (h128, 4 layers, head dim 32) and "a+b=" data with megarl's tools, and
-   warm-starts it with megarl's SFT.
-2. Trains GRPO from that checkpoint three times, with the same prompts per step, samples per prompt,
-   response length, learning rate (constant), loss (token mean, no KL) and one optimizer step per
-   batch: TRL's `GRPOTrainer` in one process (HF generate; installed only in the bench environment
-   .venv-bench, created on first use from bench/requirements-trl.txt), megarl in one process and
-   megarl in two (torchrun, colocated vLLM).
-3. Prints s/step, tokens/s (prompt + response tokens per second of training step, evaluation
-   excluded), held-out greedy accuracy and the training time to reach --threshold, the ratios to TRL
-   (target: megarl's tokens/s >= 2x TRL's at one process each), and megarl's time per phase.
+For every model size (--sizes) and step shape (--shapes, prompts x samples per step), three
+contenders train GRPO from the same checkpoint with the same prompts per step, samples per prompt,
+response length (<= 8 tokens), learning rate (constant), loss (token mean, no KL) and one optimizer
+step per batch: TRL's `GRPOTrainer` in one process (HF generate; installed only in the bench
+environment .venv-bench, created on first use from bench/requirements-trl.txt), megarl in one
+process and megarl in two (torchrun, colocated vLLM).
 
-Every process runs one thread (OMP_NUM_THREADS=1).
+Sizes: `1m`, the quick start's tiny Qwen2 (h128, 4 layers, head dim 32, 0.8M parameters),
+warm-started by megarl's SFT on the task; `30m`, the benchmarks' Qwen2 of bench/common.py (h512,
+10 layers, GQA 8/4, 31M parameters), random weights (its responses are mostly full length: this
+size measures speed only). Both use the character tokenizer and the synthetic "a+b=" data.
+
+The 1m model at the quick start's 16 x 8 runs --steps steps with held-out greedy accuracy every
+--eval-every steps (the learning curves); every other combination runs --timing-steps steps
+without evaluation. The first --warmup-steps steps of every run are left out of its numbers.
+
+Prints one table: s/step (median), tokens/s (prompt + response tokens of the timed steps over their
+seconds), the ratio to TRL of the same size and shape, and the targets of issue 19 (megarl at 2
+processes >= 2x TRL's tokens/s at 1 process on 1m, >= 2.5x on 30m; megarl at 1 process >= TRL
+everywhere); then every contender's mean seconds per phase and the learning curves. Everything is
+also written to outputs/bench/trl_vs_megarl/results.json. Every process runs one thread
+(OMP_NUM_THREADS=1); the logs of every run are under outputs/bench/trl_vs_megarl/<size>_<shape>/.
 """
 
 from __future__ import annotations
@@ -21,37 +32,67 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from common import ROOT, torchrun
+from common import ROOT, ensure_bench_model, torchrun
 
 OUT = ROOT / "outputs/bench/trl_vs_megarl"
 BENCH_ENV = ROOT / ".venv-bench"
 REQUIREMENTS = ROOT / "bench/requirements-trl.txt"
-PROMPTS_PER_STEP, SAMPLES, RESPONSE_LENGTH, PROMPT_LENGTH, LR, SEED = 16, 8, 8, 16, 1e-4, 0
+RESPONSE_LENGTH, PROMPT_LENGTH, LR, SEED = 8, 16, 1e-4, 0
 NUM_TEST = 500
+SHAPES = {"16x8": (16, 8), "8x8": (8, 8)}
+"""Prompts x samples per step: the quick start's, and issue 19's."""
+TRL = "TRL GRPOTrainer"
+CURVE = ("1m", "16x8")
+"""The quick start's size and shape: the one combination that also measures the learning curve."""
+
+
+@dataclass(frozen=True)
+class Size:
+    description: str
+    timing_steps: int
+    """Steps of a timing run when --timing-steps is not given (a 30m step costs seconds)."""
+    target_2proc: float
+    """Issue 19's target: megarl at 2 processes over TRL at 1, tokens/s."""
+
+
+SIZES = {"1m": Size("Qwen2 h128x4 layers, 0.8M parameters, SFT warm start", 100, 2.0),
+         "30m": Size("Qwen2 h512x10 layers GQA 8/4, 31M parameters, random weights", 12, 2.5)}
+TARGET_1PROC = 1.0
+"""Issue 19's target: megarl at 1 process over TRL at 1, tokens/s, at every size and shape."""
 
 
 @dataclass
 class Contender:
+    size: str
+    shape: str
     name: str
+    nproc: int
     step_seconds: list[float]
+    """Every step's seconds, warm-up steps included."""
     step_tokens: list[float]
     accuracy: list[tuple[int, float]]
-    """(step, held-out greedy accuracy), step 0 before training."""
+    """(step, held-out greedy accuracy), step 0 before training; empty for a timing run."""
     wall_seconds: float
-    phases: dict[str, float] | None = None
+    phases: dict[str, float]
+    """Mean seconds per phase over the timed steps."""
+    warmup: int
+
+    def seconds_per_step(self) -> float:
+        return statistics.median(self.step_seconds[self.warmup:])
 
     def tokens_per_second(self) -> float:
-        return sum(self.step_tokens) / sum(self.step_seconds)
+        return sum(self.step_tokens[self.warmup:]) / sum(self.step_seconds[self.warmup:])
 
     def seconds_to(self, threshold: float) -> tuple[int, float] | None:
-        """(step, training seconds) of the first evaluation at or above `threshold`."""
+        """(step, training seconds, warm-up included) of the first evaluation at or above `threshold`."""
         step = next((s for s, accuracy in self.accuracy if s > 0 and accuracy >= threshold), None)
         return None if step is None else (step, sum(self.step_seconds[:step]))
 
@@ -81,104 +122,191 @@ def bench_python() -> Path:
     return python
 
 
-def prepare() -> Path:
-    """Tiny base model, data, and the SFT warm start every contender starts from."""
-    OUT.mkdir(parents=True, exist_ok=True)
+def prepare_data() -> Path:
+    data = OUT / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    run([sys.executable, "-m", "megarl.data.synthetic", "--task", "arithmetic", "--out-dir", str(data),
+         "--num-train", "20000", "--num-test", str(NUM_TEST), "--seed", "0"], OUT / "make_data.log")
+    return data
+
+
+def prepare_model(size: str, data: Path) -> Path:
+    """The checkpoint every contender of `size` starts from."""
+    if size == "30m":
+        return ensure_bench_model()
     run([sys.executable, "checkpoints_tools/make_tiny_model.py", "--family", "qwen2", "--out", str(OUT / "base")],
         OUT / "make_model.log")
-    run([sys.executable, "-m", "megarl.data.synthetic", "--task", "arithmetic", "--out-dir", str(OUT / "data"),
-         "--num-train", "20000", "--num-test", str(NUM_TEST), "--seed", "0"], OUT / "make_data.log")
     run(torchrun(2) + ["launchers/train_sft.py", "--config", "configs/quickstart_sft.yaml",
-                       f"model.path={OUT / 'base'}", f"data.train_files=[{OUT / 'data/train.parquet'}]",
+                       f"model.path={OUT / 'base'}", f"data.train_files=[{data / 'train.parquet'}]",
                        f"trainer.output_dir={OUT}", "trainer.experiment_name=sft", "trainer.loggers=[console]"],
         OUT / "sft.log")
     return OUT / "sft/hf"
 
 
-def run_trl(model: Path, steps: int, eval_every: int) -> Contender:
-    record = OUT / "trl.json"
-    wall = run([str(bench_python()), "bench/trl_grpo_worker.py", "--model", str(model),
-                "--train", str(OUT / "data/train.parquet"), "--test", str(OUT / "data/test.parquet"),
-                "--output", str(record), "--steps", str(steps), "--eval-every", str(eval_every),
-                "--prompts-per-step", str(PROMPTS_PER_STEP), "--samples", str(SAMPLES),
-                "--max-response-length", str(RESPONSE_LENGTH), "--lr", str(LR), "--seed", str(SEED)], OUT / "trl.log")
+@dataclass(frozen=True)
+class Setting:
+    """One size and shape, the steps to run and how often to evaluate (0: never)."""
+
+    size: str
+    shape: str
+    model: Path
+    data: Path
+    steps: int
+    eval_every: int
+    warmup: int
+
+    @property
+    def prompts(self) -> int:
+        return SHAPES[self.shape][0]
+
+    @property
+    def samples(self) -> int:
+        return SHAPES[self.shape][1]
+
+    @property
+    def directory(self) -> Path:
+        return OUT / f"{self.size}_{self.shape}"
+
+
+def run_trl(setting: Setting) -> Contender:
+    record = setting.directory / "trl.json"
+    wall = run([str(bench_python()), "bench/trl_grpo_worker.py", "--model", str(setting.model),
+                "--train", str(setting.data / "train.parquet"), "--test", str(setting.data / "test.parquet"),
+                "--output", str(record), "--steps", str(setting.steps), "--eval-every", str(setting.eval_every),
+                "--prompts-per-step", str(setting.prompts), "--samples", str(setting.samples),
+                "--max-response-length", str(RESPONSE_LENGTH), "--lr", str(LR), "--seed", str(SEED)],
+               setting.directory / "trl.log")
     result = json.loads(record.read_text())
-    generation = statistics.mean(result["generation_seconds"])
+    timed = slice(setting.warmup, None)
+    generation = statistics.mean(result["generation_seconds"][timed])
     phases = {"generate+reward+advantage": generation,
-              "forward+backward+optimizer": statistics.mean(result["step_seconds"]) - generation}
-    return Contender("TRL GRPOTrainer, 1 process", result["step_seconds"], result["step_tokens"],
-                     [tuple(a) for a in result["accuracy"]], wall, phases)
+              "forward+backward+optimizer": statistics.mean(result["step_seconds"][timed]) - generation}
+    return Contender(setting.size, setting.shape, TRL, 1, result["step_seconds"],
+                     result["step_tokens"], [tuple(a) for a in result["accuracy"]], wall, phases, setting.warmup)
 
 
-def run_megarl(model: Path, nproc: int, steps: int, eval_every: int) -> Contender:
+def run_megarl(setting: Setting, nproc: int) -> Contender:
     name = f"megarl_{nproc}proc"
+    run_directory = setting.directory / name
+    shutil.rmtree(run_directory, ignore_errors=True)  # a previous run's checkpoints or metrics must not be reused
+    validation = ([f"data.val_files=[{setting.data / 'test.parquet'}]", f"trainer.test_freq={setting.eval_every}"]
+                  if setting.eval_every else ["data.val_files=[]"])
     wall = run(torchrun(nproc) + [
-        "launchers/train_ppo.py", "--config", "configs/quickstart.yaml", f"model.path={model}",
-        f"data.train_files=[{OUT / 'data/train.parquet'}]", f"data.val_files=[{OUT / 'data/test.parquet'}]",
-        f"data.train_batch_size={PROMPTS_PER_STEP}", f"actor.ppo_mini_batch_size={PROMPTS_PER_STEP}",
-        f"actor.micro_batch_size_per_rank={PROMPTS_PER_STEP * SAMPLES}",  # one micro-batch, as TRL's one batch
-        f"rollout.n={SAMPLES}", f"data.max_response_length={RESPONSE_LENGTH}",
+        "launchers/train_ppo.py", "--config", "configs/quickstart.yaml", f"model.path={setting.model}",
+        f"data.train_files=[{setting.data / 'train.parquet'}]", *validation,
+        f"data.train_batch_size={setting.prompts}", f"actor.ppo_mini_batch_size={setting.prompts}",
+        f"actor.micro_batch_size_per_rank={setting.prompts * setting.samples}",  # one micro-batch, as TRL's one batch
+        f"rollout.n={setting.samples}", f"data.max_response_length={RESPONSE_LENGTH}",
         f"data.max_prompt_length={PROMPT_LENGTH}", f"actor.optim.lr={LR}", f"data.max_val_samples={NUM_TEST}",
-        f"trainer.total_steps={steps}", f"trainer.test_freq={eval_every}", f"trainer.seed={SEED}",
-        f"trainer.output_dir={OUT}", f"trainer.experiment_name={name}"], OUT / f"{name}.log")
-    history = metric_history(OUT / name / "mlflow.db", name)
-    step_seconds = history["timing/step"]
-    tokens = [rate * seconds for rate, seconds in zip(history["throughput/tokens_per_s"], step_seconds)]
-    phases = {key.removeprefix("timing/"): statistics.mean(values) for key, values in history.items()
-              if key.startswith("timing/") and key != "timing/step"}
-    return Contender(f"megarl GRPO, {nproc} process{'es' if nproc > 1 else ''}", step_seconds, tokens,
-                     history["val/score/mean@steps"], wall, phases)
+        f"trainer.total_steps={setting.steps}", f"trainer.seed={SEED}",
+        f"trainer.output_dir={setting.directory}", f"trainer.experiment_name={name}"],
+        setting.directory / f"{name}.log")
+    history = metric_history(run_directory / "mlflow.db", name)
+    step_seconds = history.pop("timing/step")
+    tokens = [rate * seconds for rate, seconds in zip(history.pop("throughput/tokens_per_s"), step_seconds)]
+    accuracy = history.pop("val/score/mean")
+    phases = {key.removeprefix("timing/"): statistics.mean(values[setting.warmup:]) for key, values in history.items()}
+    return Contender(setting.size, setting.shape, "megarl GRPO", nproc, step_seconds, tokens, accuracy, wall, phases,
+                     setting.warmup)
 
 
-def metric_history(store: Path, experiment: str) -> dict:
-    """Per-step values of the run's metrics from its mlflow store, in step order."""
+def metric_history(store: Path, experiment: str) -> dict[str, list]:
+    """Per-step values from the run's mlflow store, in step order: the step's seconds, its tokens per
+    second, every `timing/` phase it logged, and (step, value) pairs of the held-out accuracy."""
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{store}")
     run_id = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])[0].info.run_id
-    history = {}
-    for key in ("timing/step", "throughput/tokens_per_s", "timing/reshard", "timing/rollout", "timing/score",
-                "timing/advantage", "timing/update_actor"):
-        history[key] = [m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
-    validation = sorted(client.get_metric_history(run_id, "val/score/mean"), key=lambda m: m.step)
-    history["val/score/mean@steps"] = [(m.step, m.value) for m in validation]
+    keys = ["throughput/tokens_per_s"] + [k for k in client.get_run(run_id).data.metrics if k.startswith("timing/")]
+
+    def ordered(key: str) -> list:
+        return sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)
+
+    history = {key: [m.value for m in ordered(key)] for key in keys}
+    history["val/score/mean"] = [(m.step, m.value) for m in ordered("val/score/mean")]
     return history
 
 
+def target(contender: Contender) -> float:
+    return SIZES[contender.size].target_2proc if contender.nproc == 2 else TARGET_1PROC
+
+
 def report(contenders: list[Contender], threshold: float) -> None:
-    trl = contenders[0]
-    print(f"\nGRPO on a+b= from the same SFT checkpoint: {PROMPTS_PER_STEP} prompts x {SAMPLES} samples per step, "
-          f"<= {RESPONSE_LENGTH} response tokens, lr {LR:g}, {len(trl.step_seconds)} steps, 1 thread per process")
-    print(f"{'':30} {'s/step':>7} {'tokens/s':>9} {'x TRL':>6} {'acc@0':>6} {'acc@end':>8} {'best':>6} "
-          f"{f'train s to {threshold:.0%}':>16} {'x TRL':>6} {'process s':>10}")
-    trl_time = trl.seconds_to(threshold)
+    print(f"\nGRPO on a+b=: <= {RESPONSE_LENGTH} response tokens, lr {LR:g} constant, token-mean loss, no KL, "
+          "one optimizer step per batch, 1 thread per process")
+    print("s/step: median; tokens/s: prompt + response tokens over the seconds of the timed steps (warm-up left out); "
+          "x TRL: tokens/s over TRL's at the same size and shape; process s: the whole run, start-up included")
+    print(f"{'size':5} {'shape':5} {'contender':28} {'steps':>5} {'s/step':>7} {'tokens/s':>9} {'x TRL':>6} "
+          f"{'target':>7} {'met':>4} {'process s':>9}")
     for c in contenders:
+        trl = next(t for t in contenders if (t.size, t.shape, t.name) == (c.size, c.shape, TRL))
+        ratio = c.tokens_per_second() / trl.tokens_per_second()
+        goal = "" if c is trl else f">={target(c):.1f}x"
+        met = "" if c is trl else ("yes" if ratio >= target(c) else "NO")
+        print(f"{c.size:5} {c.shape:5} {f'{c.name}, {c.nproc} proc':28} {len(c.step_seconds):5} "
+              f"{c.seconds_per_step():7.3f} {c.tokens_per_second():9.0f} {ratio:6.2f} {goal:>7} {met:>4} "
+              f"{c.wall_seconds:9.0f}")
+    print("\nmean seconds per phase over the timed steps (megarl: its phase timer, whose sum is its step time;"
+          " TRL: its _generate_and_score_completions, and the rest of its step):")
+    for c in contenders:
+        print(f"  {c.size:4} {c.shape:5} {c.name}, {c.nproc} proc: "
+              + ", ".join(f"{k} {v:.3f}" for k, v in c.phases.items()))
+    curves = [c for c in contenders if c.accuracy]
+    if curves:
+        report_curves(curves, threshold)
+    (OUT / "results.json").write_text(json.dumps([asdict(c) for c in contenders], indent=1))
+
+
+def report_curves(curves: list[Contender], threshold: float) -> None:
+    print(f"\nheld-out greedy accuracy ({NUM_TEST} test prompts; {CURVE[0]} at {CURVE[1]}, "
+          "evaluation outside the steps):")
+    steps = [s for s, _ in curves[0].accuracy]
+    print(f"  {'step':22} " + " ".join(f"{s:>5}" for s in steps) + f"   train s to {threshold:.0%}")
+    for c in curves:
         reached = c.seconds_to(threshold)
         to_threshold = f"{reached[1]:.0f} (step {reached[0]})" if reached else "not reached"
-        speedup = f"{trl_time[1] / reached[1]:.2f}" if reached and trl_time else "-"
-        print(f"{c.name:30} {statistics.median(c.step_seconds):7.3f} {c.tokens_per_second():9.0f} "
-              f"{c.tokens_per_second() / trl.tokens_per_second():6.2f} {c.accuracy[0][1]:6.3f} "
-              f"{c.accuracy[-1][1]:8.3f} {max(a for _, a in c.accuracy):6.3f} {to_threshold:>16} {speedup:>6} "
-              f"{c.wall_seconds:10.0f}")
-    ratio = contenders[1].tokens_per_second() / trl.tokens_per_second()
-    print(f"target megarl/TRL tokens/s >= 2 at one process each: {ratio:.2f} ({'met' if ratio >= 2 else 'MISSED'})")
-    for c in contenders:
-        print(f"{c.name} mean seconds per phase: " + ", ".join(f"{k} {v:.3f}" for k, v in c.phases.items()))
-    (OUT / "results.json").write_text(json.dumps([c.__dict__ for c in contenders], indent=1))
+        print(f"  {f'{c.name}, {c.nproc} proc':22} " + " ".join(f"{100 * a:5.1f}" for _, a in c.accuracy)
+              + f"   {to_threshold}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {', '.join(SIZES)}")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("--steps", type=int, default=400,
+                        help=f"steps of the learning-curve run ({' at '.join(CURVE)})")
+    parser.add_argument("--eval-every", type=int, default=25, help="evaluation period of the learning-curve run")
+    parser.add_argument("--timing-steps", type=int, default=None,
+                        help="steps of every other run (default per size: "
+                             + ", ".join(f"{k} {v.timing_steps}" for k, v in SIZES.items()) + ")")
+    parser.add_argument("--warmup-steps", type=int, default=2, help="first steps of every run left out of its numbers")
     parser.add_argument("--threshold", type=float, default=0.58, help="held-out greedy accuracy")
     args = parser.parse_args()
+    sizes, shapes = parse_choice(args.sizes, SIZES, "--sizes"), parse_choice(args.shapes, SHAPES, "--shapes")
     bench_python()
-    model = prepare()
-    contenders = [run_trl(model, args.steps, args.eval_every)]
-    for nproc in (1, 2):
-        contenders.append(run_megarl(model, nproc, args.steps, args.eval_every))
+    data = prepare_data()
+    contenders = []
+    for size in sizes:
+        model = prepare_model(size, data)
+        for shape in shapes:
+            curve = (size, shape) == CURVE
+            steps = args.steps if curve else args.timing_steps or SIZES[size].timing_steps
+            if steps <= args.warmup_steps:
+                sys.exit(f"{size} at {shape}: {steps} steps leave none after --warmup-steps {args.warmup_steps}")
+            setting = Setting(size, shape, model, data, steps, args.eval_every if curve else 0, args.warmup_steps)
+            setting.directory.mkdir(parents=True, exist_ok=True)
+            print(f"{size} at {shape}: {steps} steps per contender ...", flush=True)
+            contenders.append(run_trl(setting))
+            contenders += [run_megarl(setting, nproc) for nproc in (1, 2)]
     report(contenders, args.threshold)
+
+
+def parse_choice(text: str, choices: dict, flag: str) -> list[str]:
+    chosen = [c.strip() for c in text.split(",") if c.strip()]
+    unknown = [c for c in chosen if c not in choices]
+    if unknown or not chosen:
+        sys.exit(f"{flag} {text!r}: expected a comma-separated subset of {', '.join(choices)}")
+    return chosen
 
 
 if __name__ == "__main__":
