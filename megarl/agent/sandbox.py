@@ -3,7 +3,7 @@
 Each call gets a fresh interpreter (`sandbox_child.py`, which confines itself before running the code)
 in a new scratch directory that is deleted afterwards, with a wall-clock timeout that kills its whole
 process group. Output goes to files in the scratch directory, so the file-size limit bounds it and
-the parent reads only the first `max_output_chars`. What this does and does not protect against is
+the parent reads only its head. What this does and does not protect against is
 in the README's "Sandbox" section.
 """
 
@@ -74,13 +74,10 @@ def _error(returncode: int, timed_out: bool, timeout_seconds: float) -> str | No
 
 
 def _read_head(file, max_chars: int) -> str:
-    """The file's first `max_chars` characters, and how much was cut."""
-    size = file.seek(0, os.SEEK_END)
+    """The file's first `max_chars` characters, plus one when there are more: enough for the caller to
+    see it was cut, without reading all of a flood."""
     file.seek(0)
-    text = file.read(max_chars * 4).decode(errors="replace")  # up to 4 bytes a character in UTF-8
-    if len(text) > max_chars or size > max_chars * 4:
-        return text[:max_chars] + f"\n[output truncated: {size} bytes in all]"
-    return text
+    return file.read((max_chars + 1) * 4).decode(errors="replace")[:max_chars + 1]  # <= 4 bytes a character
 
 
 def _remove_tree(path: str) -> None:

@@ -320,7 +320,7 @@ class MultiTurnConfig:
     """Wall-clock limit of one tool call; the calls of a turn run concurrently."""
 
     max_tool_output_chars: int = 2000
-    """A tool's answer (stdout and stderr each, for python) is cut to this many characters."""
+    """A tool's answer is cut to this many characters (the python tool reads no more of its output)."""
 
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """Limits of the python tool's sandbox."""
