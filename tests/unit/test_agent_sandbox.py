@@ -18,15 +18,25 @@ from megarl.agent.environment import ToolEnvironment, load_environment
 from megarl.config.schema import MultiTurnConfig, RolloutConfig, SandboxConfig
 from megarl.data.dataset import Prompt
 
-TIMEOUT_SECONDS = 1.5
+TIMEOUT_SECONDS = 4.0  # wall clock: well above the CPU limit, so a loaded machine still hits the CPU limit first
+SHORT_TIMEOUT_SECONDS = 0.5  # for code that sleeps, which no CPU limit stops
 LIMITS = dict(cpu_seconds=1, memory_mib=256, max_processes=8, max_file_mib=1)
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["namespaces", "rlimits+audit"])
-def environment(request) -> ToolEnvironment:
-    config = MultiTurnConfig(tools=["python"], tool_timeout_seconds=TIMEOUT_SECONDS, max_tool_output_chars=400,
-                             sandbox=SandboxConfig(**LIMITS, namespaces=request.param))
+def make_environment(namespaces: bool, timeout_seconds: float) -> ToolEnvironment:
+    config = MultiTurnConfig(tools=["python"], tool_timeout_seconds=timeout_seconds, max_tool_output_chars=400,
+                             sandbox=SandboxConfig(**LIMITS, namespaces=namespaces))
     return load_environment(RolloutConfig(multi_turn=config))(Prompt([0], "agent", "", {}, 0))
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["namespaces", "rlimits+audit"])
+def namespaces(request) -> bool:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def environment(namespaces) -> ToolEnvironment:
+    return make_environment(namespaces, TIMEOUT_SECONDS)
 
 
 def run(environment: ToolEnvironment, code: str) -> tuple[str, dict, float]:
@@ -43,7 +53,7 @@ def assert_error_then_recovers(environment, code: str, error: str) -> dict:
     content, info, seconds = run(environment, code)
     assert content.startswith("Error: ") and error in content, content
     assert info["tool_calls"] == info["tool_errors"] == 1
-    assert seconds < TIMEOUT_SECONDS + 1.0, f"took {seconds:.1f} s"
+    assert seconds < environment.toolbox.timeout_seconds + 1.0, f"took {seconds:.1f} s"
     assert run(environment, "print(6 * 7)")[:2] == ("42\n", {"tool_calls": 1, "tool_errors": 0, "tool_timeouts": 0,
                                                              "tool_malformed": 0, "tool_unknown": 0})
     return info
@@ -53,9 +63,10 @@ def test_an_infinite_loop_hits_the_cpu_limit(environment):
     assert_error_then_recovers(environment, "while True:\n    pass", "CPU time limit exceeded")
 
 
-def test_code_that_waits_forever_hits_the_wall_clock_timeout(environment):
+def test_code_that_waits_forever_hits_the_wall_clock_timeout(namespaces):
     code = "import time\nwhile True:\n    time.sleep(0.1)"
-    assert assert_error_then_recovers(environment, code, "timed out after 1.5 s")["tool_timeouts"] == 1
+    environment = make_environment(namespaces, SHORT_TIMEOUT_SECONDS)
+    assert assert_error_then_recovers(environment, code, "timed out after 0.5 s")["tool_timeouts"] == 1
 
 
 def test_a_memory_bomb_hits_the_memory_limit(environment):
