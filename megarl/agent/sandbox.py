@@ -43,7 +43,7 @@ def run_python(code: str, limits: SandboxConfig, timeout_seconds: float, max_out
         with open(os.path.join(scratch, ".stdout"), "wb+") as stdout, \
                 open(os.path.join(scratch, ".stderr"), "wb+") as stderr:
             process = subprocess.Popen(
-                [sys.executable, "-I", str(CHILD), scratch, json.dumps(asdict(limits))],
+                [sys.executable, "-I", str(CHILD), scratch, json.dumps(asdict(limits)), str(os.getpid())],
                 stdin=subprocess.PIPE, stdout=stdout, stderr=stderr, cwd=scratch, start_new_session=True)
             timed_out = False
             try:

@@ -1,7 +1,7 @@
 """The sandboxed child: confines itself, then runs the code it reads from stdin.
 
-Started by `megarl.agent.sandbox` as `python -I sandbox_child.py SCRATCH LIMITS_JSON`, in SCRATCH, with
-stdout and stderr going to files there. It imports nothing of megarl (a fresh interpreter stays small
+Started by `megarl.agent.sandbox` as `python -I sandbox_child.py SCRATCH LIMITS_JSON PARENT_PID`, in
+SCRATCH, with stdout and stderr going to files there; it dies with the thread that started it. It imports nothing of megarl (a fresh interpreter stays small
 and starts in ~30 ms) and confines itself in this order, before the untrusted code runs:
 
 1. kernel isolation where the machine allows it (best effort, each step skipped if refused): new user,
@@ -19,6 +19,7 @@ import ctypes
 import json
 import os
 import resource
+import signal
 import sys
 import traceback
 from types import SimpleNamespace
@@ -26,6 +27,7 @@ from types import SimpleNamespace
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
 MS_BIND, MS_REC, MS_PRIVATE = 0x1000, 0x4000, 0x40000
 MOUNT_ATTR_RDONLY, AT_FDCWD, AT_RECURSIVE = 0x1, -100, 0x8000
+PR_SET_PDEATHSIG = 1
 SYS_MOUNT_SETATTR = 442  # the same number on x86-64 and aarch64 (new syscalls share one table)
 
 WRITE_EVENTS = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.symlink",
@@ -59,6 +61,14 @@ def isolate_namespaces(scratch: str) -> list[str]:
                                  ctypes.sizeof(writable)) == 0):
             done.append("read-only mounts")
     return done
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when the thread that started it ends, so that a trainer that dies mid-call
+    leaves no sandbox behind. Set after the namespaces: entering a user namespace clears it."""
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before the line above
+        os._exit(1)
 
 
 def _tasks_of_this_user() -> int:
@@ -116,11 +126,12 @@ def install_audit_hook(scratch: str) -> None:
 
 
 def main() -> None:
-    scratch, limits = sys.argv[1], SimpleNamespace(**json.loads(sys.argv[2]))  # a SandboxConfig's fields
-    code = sys.stdin.read()
-    if limits.namespaces:
+    scratch, limits, parent_pid = sys.argv[1], SimpleNamespace(**json.loads(sys.argv[2])), int(sys.argv[3])
+    if limits.namespaces:  # `limits` holds a SandboxConfig's fields
         isolate_namespaces(scratch)
         os.chdir(scratch)  # the working directory still pointed below the bind mount, at the read-only one
+    die_with_parent(parent_pid)
+    code = sys.stdin.read()
     set_limits(limits)
     install_audit_hook(scratch)
     sys.argv = ["main.py"]

@@ -10,14 +10,18 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
+from pathlib import Path
 
+import psutil
 import pytest
 
 from megarl.agent.environment import ToolEnvironment, load_environment
 from megarl.config.schema import MultiTurnConfig, RolloutConfig, SandboxConfig
 from megarl.data.dataset import Prompt
 
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_SECONDS = 4.0  # wall clock: well above the CPU limit, so a loaded machine still hits the CPU limit first
 SHORT_TIMEOUT_SECONDS = 0.5  # for code that sleeps, which no CPU limit stops
 LIMITS = dict(cpu_seconds=1, memory_mib=256, max_processes=8, max_file_mib=1)
@@ -109,3 +113,18 @@ def test_output_is_truncated(environment):
     content, info, _ = run(environment, "print('x' * 100000)")
     assert info["tool_errors"] == 0 and content.startswith("x" * 400) and content.count("x") == 400
     assert content.endswith("\n[answer cut to 400 characters]")
+
+
+def test_a_sandbox_dies_with_the_process_that_started_it():
+    """A trainer killed mid-call (here: a helper process) leaves no sandboxed code running."""
+    started = "from megarl.agent.sandbox import run_python\nfrom megarl.config.schema import SandboxConfig\n" \
+              "run_python('import time\\ntime.sleep(60)', SandboxConfig(), 60, 100)"
+    helper = psutil.Popen([sys.executable, "-c", started], env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 20
+    while not (children := helper.children()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(children) == 1, "the helper started no sandbox"
+    helper.kill()
+    helper.wait()
+    gone, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive, f"sandbox {alive} outlived the process that started it"
