@@ -2,7 +2,7 @@
 
 Each call gets a fresh interpreter (`sandbox_child.py`, which confines itself before running the code)
 in a new scratch directory that is deleted afterwards, with a wall-clock timeout that kills its whole
-process group. Output goes to files in the scratch directory, so the file-size limit bounds it and
+process group, and an empty environment. Output goes to files in the scratch directory, so the file-size limit bounds it and
 the parent reads only its head. What this does and does not protect against is
 in the README's "Sandbox" section.
 """
@@ -44,7 +44,8 @@ def run_python(code: str, limits: SandboxConfig, timeout_seconds: float, max_out
                 open(os.path.join(scratch, ".stderr"), "wb+") as stderr:
             process = subprocess.Popen(
                 [sys.executable, "-I", str(CHILD), scratch, json.dumps(asdict(limits)), str(os.getpid())],
-                stdin=subprocess.PIPE, stdout=stdout, stderr=stderr, cwd=scratch, start_new_session=True)
+                stdin=subprocess.PIPE, stdout=stdout, stderr=stderr, cwd=scratch, start_new_session=True,
+                env={})  # none of the trainer's environment (tokens, paths) reaches the code
             timed_out = False
             try:
                 process.communicate(code.encode(), timeout=timeout_seconds)

@@ -1,8 +1,9 @@
 """The sandboxed child: confines itself, then runs the code it reads from stdin.
 
 Started by `megarl.agent.sandbox` as `python -I sandbox_child.py SCRATCH LIMITS_JSON PARENT_PID`, in
-SCRATCH, with stdout and stderr going to files there; it dies with the thread that started it. It imports nothing of megarl (a fresh interpreter stays small
-and starts in ~30 ms) and confines itself in this order, before the untrusted code runs:
+SCRATCH, with stdout and stderr going to files there; it dies with the thread that started it. It
+imports nothing of megarl (a fresh interpreter stays small and starts in ~30 ms) and confines itself
+in this order, before the untrusted code runs:
 
 1. kernel isolation where the machine allows it (best effort, each step skipped if refused): new user,
    network and mount namespaces (no network interface but a downed loopback), every mount made

@@ -101,11 +101,13 @@ def test_no_writes_outside_the_scratch_directory(environment, tmp_path):
     assert not outside.exists()
 
 
-def test_the_scratch_directory_is_writable_and_deleted_afterwards(environment):
-    code = "import os\nopen('notes.txt', 'w').write('kept')\nprint(os.getcwd(), open('notes.txt').read())"
+def test_the_scratch_directory_is_writable_and_deleted_afterwards_and_no_secret_gets_in(environment, monkeypatch):
+    monkeypatch.setenv("MEGARL_TEST_TOKEN", "secret")
+    code = ("import os\nopen('notes.txt', 'w').write('kept')\n"
+            "print(os.getcwd(), open('notes.txt').read(), os.environ.get('MEGARL_TEST_TOKEN', 'none'))")
     content, info, _ = run(environment, code)
-    scratch, text = content.split()
-    assert text == "kept" and info["tool_errors"] == 0
+    scratch, text, token = content.split()
+    assert (text, token) == ("kept", "none") and info["tool_errors"] == 0
     assert os.path.basename(scratch).startswith("megarl-sandbox-") and not os.path.exists(scratch)
 
 
