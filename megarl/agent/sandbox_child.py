@@ -5,10 +5,10 @@ SCRATCH, with stdout and stderr going to files there; it dies with the thread th
 imports nothing of megarl (a fresh interpreter stays small and starts in ~30 ms) and confines itself
 in this order, before the untrusted code runs:
 
-1. kernel isolation where the machine allows it (best effort, each step skipped if refused): new user,
+1. resource limits (always): CPU seconds, address space, processes, file size, no core dumps;
+2. kernel isolation where the machine allows it (best effort, each step skipped if refused): new user,
    network and mount namespaces (no network interface but a downed loopback), every mount made
    read-only recursively, and SCRATCH bind-mounted writable again;
-2. resource limits (always): CPU seconds, address space, processes, file size, no core dumps;
 3. a Python audit hook (always): refuses sockets, starting processes, signalling other processes,
    loading ctypes, and writing, creating or removing files outside SCRATCH.
 
@@ -128,12 +128,12 @@ def install_audit_hook(scratch: str) -> None:
 
 def main() -> None:
     scratch, limits, parent_pid = sys.argv[1], SimpleNamespace(**json.loads(sys.argv[2])), int(sys.argv[3])
+    set_limits(limits)  # before the user namespace, which takes its process cap from RLIMIT_NPROC now
     if limits.namespaces:  # `limits` holds a SandboxConfig's fields
         isolate_namespaces(scratch)
         os.chdir(scratch)  # the working directory still pointed below the bind mount, at the read-only one
     die_with_parent(parent_pid)
     code = sys.stdin.read()
-    set_limits(limits)
     install_audit_hook(scratch)
     sys.argv = ["main.py"]
     try:
