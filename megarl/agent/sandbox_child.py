@@ -16,7 +16,6 @@ The audit hook is what holds where namespaces are refused (e.g. a container with
 it is a guard against accidents and naive attacks, not a security boundary (see README "Sandbox").
 """
 
-import ctypes
 import json
 import os
 import resource
@@ -40,36 +39,43 @@ BLOCKED_IMPORTS = {"ctypes", "_ctypes"}  # foreign calls go around every audit e
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 
-class _MountAttr(ctypes.Structure):
-    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
-                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+def isolate_namespaces(scratch: str) -> None:
+    """Enter new user, network and mount namespaces and make everything but `scratch` read-only, as far
+    as the kernel allows (a refused step leaves the steps after it out)."""
+    import ctypes  # here, not at the top: `forget_ctypes` must find no reference to it
 
+    class MountAttr(ctypes.Structure):
+        _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                    ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
 
-def isolate_namespaces(scratch: str) -> list[str]:
-    """Enter new user, network and mount namespaces and make everything but `scratch` read-only;
-    the names of the steps that took effect."""
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWNS) != 0:
-        return []
-    done = ["user+network+mount namespaces"]
+        return
     path = scratch.encode()
     if (libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0
             and libc.mount(path, path, None, MS_BIND | MS_REC, None) == 0):
-        read_only, writable = _MountAttr(MOUNT_ATTR_RDONLY, 0, 0, 0), _MountAttr(0, MOUNT_ATTR_RDONLY, 0, 0)
-        if (libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, b"/", AT_RECURSIVE, ctypes.byref(read_only),
-                         ctypes.sizeof(read_only)) == 0
-                and libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, path, AT_RECURSIVE, ctypes.byref(writable),
-                                 ctypes.sizeof(writable)) == 0):
-            done.append("read-only mounts")
-    return done
+        read_only, writable = MountAttr(MOUNT_ATTR_RDONLY, 0, 0, 0), MountAttr(0, MOUNT_ATTR_RDONLY, 0, 0)
+        if libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, b"/", AT_RECURSIVE, ctypes.byref(read_only),
+                        ctypes.sizeof(read_only)) == 0:
+            libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, path, AT_RECURSIVE, ctypes.byref(writable),
+                         ctypes.sizeof(writable))
 
 
 def die_with_parent(parent_pid: int) -> None:
     """SIGKILL this process when the thread that started it ends, so that a trainer that dies mid-call
     leaves no sandbox behind. Set after the namespaces: entering a user namespace clears it."""
+    import ctypes
+
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before the line above
         os._exit(1)
+
+
+def forget_ctypes() -> None:
+    """Drop the ctypes this setup loaded, so that the code's `import ctypes` is a new import, which the
+    audit hook refuses (an import of a module already loaded raises no audit event)."""
+    for name in [name for name in sys.modules if name.split(".")[0] in BLOCKED_IMPORTS]:
+        del sys.modules[name]
 
 
 def _tasks_of_this_user() -> int:
@@ -133,6 +139,7 @@ def main() -> None:
         isolate_namespaces(scratch)
         os.chdir(scratch)  # the working directory still pointed below the bind mount, at the read-only one
     die_with_parent(parent_pid)
+    forget_ctypes()
     code = sys.stdin.read()
     install_audit_hook(scratch)
     sys.argv = ["main.py"]

@@ -95,6 +95,12 @@ def test_no_network(environment):
             server.accept()  # nothing connected
 
 
+def test_no_ctypes(environment):
+    """Foreign calls would go around every audit event."""
+    assert_error_then_recovers(environment, "import ctypes\nprint(ctypes.CDLL(None).getpid())",
+                               "module 'ctypes' is not available")
+
+
 def test_no_writes_outside_the_scratch_directory(environment, tmp_path):
     outside = tmp_path / "outside.txt"
     assert_error_then_recovers(environment, f"open({str(outside)!r}, 'w').write('escaped')", "Error")
