@@ -10,7 +10,7 @@ in this order, before the untrusted code runs:
    network and mount namespaces (no network interface but a downed loopback), every mount made
    read-only recursively, and SCRATCH bind-mounted writable again;
 3. a Python audit hook (always): refuses sockets, starting processes, signalling other processes,
-   loading ctypes, and writing, creating or removing files outside SCRATCH.
+   changing resource limits, loading ctypes, and writing, creating or removing files outside SCRATCH.
 
 The audit hook is what holds where namespaces are refused (e.g. a container without user namespaces);
 it is a guard against accidents and naive attacks, not a security boundary (see README "Sandbox").
@@ -35,6 +35,7 @@ WRITE_EVENTS = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "o
                 "shutil.copyfile", "shutil.move", "shutil.chown"}
 PROCESS_EVENTS = {"os.fork", "os.forkpty", "os.system", "os.posix_spawn", "os.exec", "os.spawn", "os.kill",
                   "os.killpg", "subprocess.Popen", "pty.spawn", "signal.pthread_kill"}
+LIMIT_EVENTS = {"resource.setrlimit", "resource.prlimit"}  # root outside a user namespace could lift them
 BLOCKED_IMPORTS = {"ctypes", "_ctypes"}  # foreign calls go around every audit event
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
@@ -104,7 +105,7 @@ def set_limits(limits: SimpleNamespace) -> None:
 
 
 def install_audit_hook(scratch: str) -> None:
-    """Refuse network, new processes, ctypes and writes outside `scratch` from here on."""
+    """Refuse network, new processes, new limits, ctypes and writes outside `scratch` from here on."""
     inside = os.path.realpath(scratch) + os.sep
 
     def outside(path) -> bool:
@@ -117,6 +118,8 @@ def install_audit_hook(scratch: str) -> None:
             raise PermissionError(f"sandbox: no network ({event})")
         if event in PROCESS_EVENTS:
             raise PermissionError(f"sandbox: no new processes or signals ({event})")
+        if event in LIMIT_EVENTS:
+            raise PermissionError(f"sandbox: resource limits are fixed ({event})")
         if event == "import" and args[0] in BLOCKED_IMPORTS:
             raise ImportError(f"sandbox: module {args[0]!r} is not available")
         if event == "open":

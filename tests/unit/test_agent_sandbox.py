@@ -78,6 +78,13 @@ def test_a_memory_bomb_hits_the_memory_limit(environment):
                                "MemoryError")
 
 
+def test_limits_cannot_be_lifted(environment):
+    """Not even the CPU limit's soft value up to its hard one (the kernel itself allows that)."""
+    hard = LIMITS["cpu_seconds"] + 1
+    code = f"import resource\nresource.setrlimit(resource.RLIMIT_CPU, ({hard}, {hard}))\nprint('lifted')"
+    assert_error_then_recovers(environment, code, "resource limits are fixed")
+
+
 def test_a_process_flood_is_refused(environment):
     code = ("import os, time\nfor _ in range(64):\n    if os.fork() == 0:\n        time.sleep(3)\n        os._exit(0)\n"
             "print('forked 64')")
