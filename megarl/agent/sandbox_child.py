@@ -30,9 +30,9 @@ MOUNT_ATTR_RDONLY, AT_FDCWD, AT_RECURSIVE = 0x1, -100, 0x8000
 PR_SET_PDEATHSIG = 1
 SYS_MOUNT_SETATTR = 442  # the same number on x86-64 and aarch64 (new syscalls share one table)
 
-WRITE_EVENTS = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.symlink",
-                "os.link", "os.truncate", "os.utime", "os.chflags", "os.mkfifo", "os.mknod", "shutil.rmtree",
-                "shutil.copyfile", "shutil.move", "shutil.chown"}
+WRITE_EVENTS = {"os.remove", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.truncate", "os.utime",
+                "os.chflags", "os.mkfifo", "os.mknod", "shutil.rmtree", "shutil.chown"}
+TWO_PATH_EVENTS = {"os.rename", "os.link", "os.symlink", "shutil.copyfile", "shutil.copytree", "shutil.move"}
 PROCESS_EVENTS = {"os.fork", "os.forkpty", "os.system", "os.posix_spawn", "os.exec", "os.spawn", "os.kill",
                   "os.killpg", "subprocess.Popen", "pty.spawn", "signal.pthread_kill"}
 LIMIT_EVENTS = {"resource.setrlimit", "resource.prlimit"}  # root outside a user namespace could lift them
@@ -104,12 +104,23 @@ def set_limits(limits: SimpleNamespace) -> None:
     resource.setrlimit(resource.RLIMIT_NPROC, (allowed, allowed))
 
 
+def _written_paths(event: str, args: tuple) -> tuple:
+    """The paths an audit event would create, change or remove."""
+    if event == "open":
+        path, mode, flags = args
+        writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool(flags & WRITE_FLAGS)
+        return (path,) if writes and path is not None else ()
+    if event in TWO_PATH_EVENTS:
+        return args[:2]
+    return args[:1] if event in WRITE_EVENTS else ()
+
+
 def install_audit_hook(scratch: str) -> None:
     """Refuse network, new processes, new limits, ctypes and writes outside `scratch` from here on."""
     inside = os.path.realpath(scratch) + os.sep
 
     def outside(path) -> bool:
-        if isinstance(path, int):  # an already open descriptor (os.chmod(fd)...): opened under this hook
+        if isinstance(path, int):  # an open descriptor (os.chmod(fd)...), opened under this hook
             return False
         return not (os.path.realpath(os.fsdecode(path)) + os.sep).startswith(inside)
 
@@ -122,15 +133,9 @@ def install_audit_hook(scratch: str) -> None:
             raise PermissionError(f"sandbox: resource limits are fixed ({event})")
         if event == "import" and args[0] in BLOCKED_IMPORTS:
             raise ImportError(f"sandbox: module {args[0]!r} is not available")
-        if event == "open":
-            path, mode, flags = args
-            writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool(flags & WRITE_FLAGS)
-            if writes and path is not None and outside(path):
-                raise PermissionError(f"sandbox: writing outside the scratch directory ({path})")
-        elif event in WRITE_EVENTS and args and not isinstance(args[0], int) and outside(args[0]):
-            raise PermissionError(f"sandbox: changing files outside the scratch directory ({event} {args[0]})")
-        if event in {"os.rename", "os.link", "os.symlink", "shutil.copyfile", "shutil.move"} and outside(args[1]):
-            raise PermissionError(f"sandbox: changing files outside the scratch directory ({event} {args[1]})")
+        for path in _written_paths(event, args):
+            if outside(path):
+                raise PermissionError(f"sandbox: writing outside the scratch directory ({event} {path})")
 
     sys.addaudithook(hook)
 
