@@ -96,10 +96,10 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"config key 'prime.beta' = {config.prime.beta} is out of range; allowed: numbers > 0")
     _check_at_least("data.train_batch_size", config.data.train_batch_size, 1)
     _check_at_least("rollout.tp", config.rollout.tp, 1)
-    _check_multi_turn(config.rollout.multi_turn)
     _check_choice("algorithm.kl_ctrl.type", config.algorithm.kl_ctrl.type, KL_CONTROLLERS)
     _check_at_least("trainer.total_steps", config.trainer.total_steps, 1)
     _check_at_least("trainer.log_freq", config.trainer.log_freq, 1)
+    _check_multi_turn(config.rollout.multi_turn)
     for logger in config.trainer.loggers:
         _check_choice("trainer.loggers", logger, LOGGERS)
     _check_choice("trainer.resume_mode", config.trainer.resume_mode, RESUME_MODES)
