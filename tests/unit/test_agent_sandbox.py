@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from megarl.agent.environment import ToolEnvironment, load_environment
+from megarl.agent.tools import load_tools
 from megarl.config.schema import MultiTurnConfig, RolloutConfig, SandboxConfig
 from megarl.data.dataset import Prompt
 
@@ -130,8 +131,9 @@ def test_output_is_truncated(environment):
     assert content.endswith("\n[answer cut to 400 characters]")
 
 
-def test_a_sandbox_dies_with_the_process_that_started_it():
-    """A trainer killed mid-call (here: a helper process) leaves no sandboxed code running."""
+def test_a_sandbox_dies_with_the_process_that_started_it_and_its_directory_goes_next_time():
+    """A trainer killed mid-call (here: a helper process) leaves no sandboxed code running, and the next
+    run removes the scratch directory it left."""
     started = "from megarl.agent.sandbox import run_python\nfrom megarl.config.schema import SandboxConfig\n" \
               "run_python('import time\\ntime.sleep(60)', SandboxConfig(), 60, 100)"
     helper = psutil.Popen([sys.executable, "-c", started], env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -139,7 +141,11 @@ def test_a_sandbox_dies_with_the_process_that_started_it():
     while not (children := helper.children()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(children) == 1, "the helper started no sandbox"
+    scratch = Path(children[0].cmdline()[3])
     helper.kill()
     helper.wait()
     gone, alive = psutil.wait_procs(children, timeout=5)
     assert not alive, f"sandbox {alive} outlived the process that started it"
+    assert scratch.is_dir()  # nobody was left to delete it: the next run's python tool does
+    load_tools(MultiTurnConfig(tools=["python"]))
+    assert not scratch.exists()
