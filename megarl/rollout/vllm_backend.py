@@ -30,8 +30,8 @@ import torch
 
 from megarl import device
 from megarl.rollout import routing_capture
-from megarl.rollout.vllm_direct_load import DirectLoader, supports_direct_load
 from megarl.rollout.base import ROLLOUT_BACKENDS, RolloutOutput, Sampling, WeightUpdateGuard, routed_experts_shape
+from megarl.rollout.vllm_direct_load import DirectLoader, supports_direct_load
 
 
 @contextlib.contextmanager

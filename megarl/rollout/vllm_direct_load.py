@@ -87,6 +87,7 @@ class DirectLoader:
     def _destination(self, name: str) -> _Destination | None:
         """Where the HF tensor `name` goes; None for a tensor vLLM drops (its mapper says so)."""
         if name not in self.destinations:
+            # The mapper's own lookup with the shard id (vLLM 0.32); its public `map_name` drops the id.
             mapped = self.model.hf_to_vllm_mapper._map_name_with_shard(name)
             if mapped is None:
                 self.destinations[name] = None
