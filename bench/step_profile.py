@@ -14,7 +14,11 @@ also opens a `torch.profiler` range and, when asked, a cProfile of its own for e
 3. `--profile-steps` steps under `torch.profiler`: each operator's self CPU time, attributed to the
    phase whose range encloses it;
 4. `--profile-steps` steps under cProfile, one per phase: each Python function's self time
-   (C functions such as torch's bindings included), and the self time of each source file's functions.
+   (C functions such as torch's bindings included), and the self time of each source file's functions;
+5. `--steps` weight syncs on their own, against their floor: a memcpy of the same weights (every
+   training parameter copied into a buffer of its own) plus the weight processing the engine itself
+   requires (the time inside its layers' `process_weights_after_loading`: on CPU, the oneDNN repack
+   of every linear layer), measured during those syncs. Medians.
 
 Profiling slows the step (Python-heavy phases most), so its milliseconds are for ranking costs
 within a phase; the shares come from step 2. Rank 0's numbers are printed. Every process runs one
@@ -118,6 +122,46 @@ def python_costs(profiles: dict[str, cProfile.Profile], steps: int, top: int) ->
     return costs
 
 
+def sync_costs(trainer, syncs: int) -> dict[str, float]:
+    """Median ms of a weight sync, of a memcpy of the weights it moves, and of the engine's own weight
+    processing inside the sync (timed by wrapping each processing method the engine's layers use)."""
+    import torch
+
+    model = trainer.rollout.llm.collective_rpc(lambda worker: worker.model_runner.model)[0]
+    methods = {type(module.quant_method) for module in model.modules() if hasattr(module, "quant_method")}
+    processing = []
+
+    def timed(original):
+        def process_weights_after_loading(self, layer):
+            start = time.perf_counter()
+            try:
+                return original(self, layer)
+            finally:
+                processing[-1] += time.perf_counter() - start
+        return process_weights_after_loading
+
+    originals = {method: method.process_weights_after_loading for method in methods}
+    for method, original in originals.items():
+        method.process_weights_after_loading = timed(original)
+    sync_seconds = []
+    for step in range(syncs):
+        processing.append(0.0)
+        sync_seconds.append(trainer.policy.sync.sync(10**6 + step).seconds)
+    for method, original in originals.items():
+        method.process_weights_after_loading = original
+    params = [p.detach() for p in trainer.actor.module.parameters()]
+    buffers = [torch.empty_like(p) for p in params]
+    copy_seconds = []
+    for _ in range(syncs):
+        start = time.perf_counter()
+        for buffer, param in zip(buffers, params):
+            buffer.copy_(param)
+        copy_seconds.append(time.perf_counter() - start)
+    return {"sync": 1e3 * statistics.median(sync_seconds), "memcpy": 1e3 * statistics.median(copy_seconds),
+            "processing": 1e3 * statistics.median(processing),
+            "bytes": sum(p.numel() * p.element_size() for p in params)}
+
+
 def worker(overrides: list[str], warmup: int, steps: int, profile_steps: int, top: int) -> None:
     import torch
     import torch.distributed as dist
@@ -156,10 +200,11 @@ def worker(overrides: list[str], warmup: int, steps: int, profile_steps: int, to
     for _ in range(profile_steps):
         timed_step()
     timer_class.python_on = False
+    syncs = sync_costs(trainer, steps)
     if trainer.layout.rank == 0:
         print(MARKER + " " + json.dumps({
             "layout": str(trainer.layout), "walls": walls, "phases": phases, "operators": operators,
-            "python": python_costs(python_profiles, profile_steps, top)}), flush=True)
+            "python": python_costs(python_profiles, profile_steps, top), "syncs": syncs}), flush=True)
     trainer.tracker.close()
     trainer.rollout.shutdown()
 
@@ -237,6 +282,11 @@ def report(result: dict, prompts: int, samples: int, nproc: int, args) -> None:
         for name, self_ms, calls in python["functions"]:
             print(f"    py  {self_ms:7.2f} ms {calls:7.0f} calls  {name}")
         print("    py by file: " + ", ".join(f"{name} {self_ms:.1f}" for name, self_ms in python["files"]))
+    syncs = result["syncs"]
+    floor = syncs["memcpy"] + syncs["processing"]
+    print(f"  weight sync alone ({len(walls)} syncs, medians): sync {syncs['sync']:.2f} ms, memcpy of its "
+          f"{syncs['bytes'] / 2**20:.1f} MiB of weights {syncs['memcpy']:.2f} ms, the engine's own weight processing "
+          f"{syncs['processing']:.2f} ms: sync / (memcpy + processing) = {syncs['sync'] / floor:.2f} (target <= 3)")
 
 
 def main() -> None:

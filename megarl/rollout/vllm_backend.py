@@ -31,6 +31,7 @@ import torch
 from megarl import device
 from megarl.rollout import routing_capture
 from megarl.rollout.base import ROLLOUT_BACKENDS, RolloutOutput, Sampling, WeightUpdateGuard, routed_experts_shape
+from megarl.rollout.vllm_direct_load import DirectLoader, supports_direct_load
 
 
 @contextlib.contextmanager
@@ -97,6 +98,8 @@ class VLLMRollout:
             )
         if moe:
             self.llm.collective_rpc(routing_capture.bind_on_worker)
+        self.direct_loader: DirectLoader | None = self.llm.collective_rpc(_direct_loader)[0]
+        """Set where a weight update can skip vLLM's generic reload (`megarl.rollout.vllm_direct_load`)."""
         self.guard = WeightUpdateGuard(has_weights=not dummy_weights)
         tied = self.llm.llm_engine.model_config.hf_config.tie_word_embeddings
         logging.getLogger(_RELOAD_LOGGER).addFilter(_NothingToReload(tied_lm_head=bool(tied)))
@@ -138,8 +141,12 @@ class VLLMRollout:
         self.guard.begin(step)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """One in-place reload: vLLM moves every layer to meta, loads `weights` as they come (a
-        generator is consumed lazily, in order) and processes each layer once its tensors are in."""
+        """Written straight into the engine's parameters where its layout allows, else one in-place
+        reload: vLLM moves every layer to meta, loads `weights` as they come (a generator is consumed
+        lazily, in order) and processes each layer once its tensors are in."""
+        if self.direct_loader is not None:
+            self.llm.collective_rpc(_load_directly, args=(self.direct_loader, weights))
+            return
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         except Exception:
@@ -148,7 +155,8 @@ class VLLMRollout:
 
     def end_weight_update(self) -> None:
         self.llm.collective_rpc(_refresh_lm_head)
-        self.llm.collective_rpc(_repack_cpu_experts)
+        if self.routed_experts_shape is not None:
+            self.llm.collective_rpc(_repack_cpu_experts)
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         self.guard.end()
 
@@ -168,6 +176,24 @@ class VLLMRollout:
     def wake_up(self, tags: tuple[str, ...]) -> None:
         if device.sleep_mode():
             self.llm.wake_up(tags=list(tags))
+
+
+def _direct_loader(worker) -> DirectLoader | None:
+    """A direct loader for the worker's model, if its layout allows one (runs on the worker)."""
+    config = worker.vllm_config
+    model = worker.model_runner.model
+    if supports_direct_load(model, config.parallel_config.tensor_parallel_size,
+                            quantized=config.model_config.quantization is not None,
+                            lora=config.lora_config is not None):
+        return DirectLoader(model)
+    return None
+
+
+def _load_directly(worker, loader: DirectLoader, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(worker.vllm_config):
+        loader.load(weights)
 
 
 def _refresh_lm_head(worker) -> None:

@@ -28,6 +28,7 @@ from megarl.engine.batch import SequenceBatch
 from megarl.engine.megatron_engine import MegatronEngine
 from megarl.models.hf_interop import export_hf
 from megarl.resharding.executor import WeightSync
+from megarl.rollout import vllm_direct_load
 from megarl.rollout.base import Sampling
 from megarl.rollout.hf_backend import HFRollout, checkpoint_tensor
 from megarl.rollout.vllm_backend import VLLMRollout
@@ -68,16 +69,18 @@ def train_step(responses):
 
 
 class ReloadCounter(logging.Handler):
-    """Counts calls into vLLM's own reload functions (unchanged, only counted) and the "Failed to
-    load weights" warnings that reach the log (past megarl's filter of the benign ones)."""
+    """Counts calls into vLLM's own reload functions and megarl's direct load (unchanged, only
+    counted), the layers each one processed, and the "Failed to load weights" warnings that reach
+    the log (past megarl's filter of the benign ones)."""
 
     def __init__(self, model):
         super().__init__()
-        self.model, self.reloads, self.processed, self.warnings = model, 0, Counter(), []
-        self.originals = inplace.initialize_layerwise_reload, layerwise._layerwise_process
+        self.model, self.reloads, self.direct_loads, self.processed, self.warnings = model, 0, 0, Counter(), []
+        self.originals = (inplace.initialize_layerwise_reload, layerwise._layerwise_process,
+                          vllm_direct_load.DirectLoader.load, vllm_direct_load._write)
 
     def __enter__(self):
-        initialize, process = self.originals
+        initialize, process, direct_load, write = self.originals
 
         def counted_initialize(model):
             self.reloads += 1
@@ -87,12 +90,22 @@ class ReloadCounter(logging.Handler):
             self.processed[id(layer)] += 1
             return process(layer, info)
 
+        def counted_direct_load(loader, weights):
+            self.direct_loads += 1
+            return direct_load(loader, weights)
+
+        def counted_write(layer, parts):
+            self.processed[id(layer)] += 1
+            return write(layer, parts)
+
         inplace.initialize_layerwise_reload, layerwise._layerwise_process = counted_initialize, counted_process
+        vllm_direct_load.DirectLoader.load, vllm_direct_load._write = counted_direct_load, counted_write
         logging.getLogger(layerwise.__name__).addHandler(self)
         return self
 
     def __exit__(self, *exc):
-        inplace.initialize_layerwise_reload, layerwise._layerwise_process = self.originals
+        (inplace.initialize_layerwise_reload, layerwise._layerwise_process,
+         vllm_direct_load.DirectLoader.load, vllm_direct_load._write) = self.originals
         logging.getLogger(layerwise.__name__).removeHandler(self)
 
     def emit(self, record):
@@ -239,11 +252,13 @@ report["vllm_hf_routing_agreement"] = (
 report["bytes_received"], report["lower_bound"] = stats.bytes_received, stats.lower_bound
 
 # A second real step and sync, then the engine's sampled-token log-probs against the trainer's.
-# The sync is one vLLM reload: each layer is processed once, and no layer warns it got no weights.
+# The sync is one load (direct, or vLLM's reload): each layer is processed once, and no layer warns it
+# got no weights.
 train_step(hf_out.response_ids)
 with ReloadCounter(vllm.llm.collective_rpc(lambda worker: worker.model_runner.model)[0]) as counter:
     vllm_sync.sync(step=2)
-report["buckets"], report["reloads_per_sync"] = len(vllm_sync.buckets), counter.reloads
+report["buckets"], report["direct_load"] = len(vllm_sync.buckets), vllm.direct_loader is not None
+report["loads_per_sync"] = {"reload": counter.reloads, "direct": counter.direct_loads}
 report["layers_processed_once"] = counter.each_owner_processed_once()
 report["failed_load_warnings"] = counter.warnings
 sampled = vllm.generate(PROMPTS, Sampling(temperature=0.8, max_tokens=10, seed=3))
