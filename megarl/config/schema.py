@@ -284,6 +284,18 @@ class DataConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts: the model and an environment (tools) take turns (`megarl.agent`)."""
+
+    enable: bool = False
+    """Generate trajectories turn by turn with an environment instead of one response per sample."""
+
+    max_turns: int = 4
+    """Model turns per trajectory at most; every response token, the model's and the environment's,
+    also counts against data.max_response_length."""
+
+
+@dataclass
 class RolloutConfig:
     """The colocated generation engine and its sampling."""
 
@@ -319,6 +331,9 @@ class RolloutConfig:
 
     bucket_mib: int = 64
     """Resharding bucket: bytes in flight per rank beyond its own shards."""
+
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn rollouts with tools or environments."""
 
 
 @dataclass
