@@ -284,8 +284,29 @@ class DataConfig:
 
 
 @dataclass
+class SandboxConfig:
+    """Limits of the child process that runs the model's Python code (README "Sandbox")."""
+
+    cpu_seconds: int = 5
+    """CPU time per call (RLIMIT_CPU); the child is killed past it."""
+
+    memory_mib: int = 1024
+    """Address space per call (RLIMIT_AS); allocations past it raise MemoryError in the code."""
+
+    max_processes: int = 16
+    """Processes and threads the call may add (RLIMIT_NPROC, which the kernel ignores for root)."""
+
+    max_file_mib: int = 16
+    """Largest file the code may write, its stdout and stderr included (RLIMIT_FSIZE)."""
+
+    namespaces: bool = True
+    """Also isolate with Linux user, network and mount namespaces where the kernel allows them (no
+    network, everything but the scratch directory read-only); false: resource limits and audit hook only."""
+
+
+@dataclass
 class MultiTurnConfig:
-    """Multi-turn rollouts: the model and an environment (tools) take turns (`megarl.agent`)."""
+    """Agentic rollouts: the tools the model may call and the environment that answers its turns."""
 
     enable: bool = False
     """Generate trajectories turn by turn with an environment instead of one response per sample."""
@@ -293,6 +314,23 @@ class MultiTurnConfig:
     max_turns: int = 4
     """Model turns per trajectory at most; every response token, the model's and the environment's,
     also counts against data.max_response_length."""
+
+    tools: list[str] = field(default_factory=lambda: ["python", "calculator"])
+    """Tools offered to the model: built-in names (python, calculator) and user functions
+    `path/to/file.py:function` (schema from type hints and the docstring's Args section)."""
+
+    environment: str = ""
+    """`path/to/file.py:Class` answering every trajectory (constructed with the run's Toolbox); empty: the
+    environment registered for the sample's data_source, else ToolEnvironment (runs the tool calls)."""
+
+    tool_timeout_seconds: float = 5.0
+    """Wall-clock limit of one tool call; the calls of a turn run concurrently."""
+
+    max_tool_output_chars: int = 2000
+    """A tool's answer is cut to this many characters (the python tool reads no more of its output)."""
+
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """Limits of the python tool's sandbox."""
 
 
 @dataclass
@@ -333,7 +371,7 @@ class RolloutConfig:
     """Resharding bucket: bytes in flight per rank beyond its own shards."""
 
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
-    """Multi-turn rollouts with tools or environments."""
+    """Multi-turn (agentic) rollouts: tools, environments, sandbox."""
 
 
 @dataclass
