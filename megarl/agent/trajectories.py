@@ -8,7 +8,8 @@ ranks hold identical trajectories.
 
 A turn is one engine call for the replica's unfinished trajectories, each request being its whole
 trajectory so far (opening + every turn's tokens). A trajectory ends when its environment says done,
-after `max_turns` model turns, or when its token budget runs out: every response token, the model's
+after `max_turns` model turns, or when its token budget runs out (a turn may also be capped at
+`max_tokens_per_turn`; the environment then answers the cut turn): every response token, the model's
 and the environment's, counts against `max_response_length`, and an observation that would leave no
 room for a model token ends the trajectory before it is appended. So a trajectory always ends with a
 model token (where the outcome reward is placed).
@@ -31,6 +32,19 @@ from megarl.seeding import derive_seed
 
 if TYPE_CHECKING:
     from megarl.agent.environment import Environment
+
+
+@dataclass(frozen=True)
+class TurnLimits:
+    max_turns: int
+    max_response_length: int
+    """Response tokens of a trajectory at most, the model's and the environment's."""
+    max_tokens_per_turn: int = 0
+    """Tokens of one model turn at most (cut turns are answered as they are); 0: no limit but the budget."""
+
+    def turn_budget(self, num_response_tokens: int) -> int:
+        left = self.max_response_length - num_response_tokens
+        return min(left, self.max_tokens_per_turn) if self.max_tokens_per_turn else left
 
 
 @dataclass
@@ -60,14 +74,13 @@ class Trajectory:
         return next((m["content"] for m in reversed(self.messages) if m["role"] == "assistant"), "")
 
 
-def run_turns(trajectories: list[Trajectory], engine: RolloutEngine, sampling: Sampling, max_turns: int,
-              max_response_length: int, seats: list[tuple[Environment, ChatRenderer]] | None,
-              share: Callable[[list | None], list]) -> None:
+def run_turns(trajectories: list[Trajectory], engine: RolloutEngine, sampling: Sampling, limits: TurnLimits,
+              seats: list[tuple[Environment, ChatRenderer]] | None, share: Callable[[list | None], list]) -> None:
     """Generate `trajectories` to their end, in place. `sampling.stop_token_ids` must hold the template's
     end-of-turn token. `seats`: on the leader, each trajectory's environment and the renderer of its
     tools; None elsewhere. `share`: the leader's list, on every rank of the replica."""
     with ThreadPoolExecutor(max_workers=8) as pool:  # tool calls wait on subprocesses, not the GIL
-        for turn in range(max_turns):
+        for turn in range(limits.max_turns):
             active = [k for k, t in enumerate(trajectories) if not t.done]
             if not active:
                 return
@@ -75,17 +88,17 @@ def run_turns(trajectories: list[Trajectory], engine: RolloutEngine, sampling: S
             requests = [trajectories[k] for k in active]
             output = engine.generate([t.prompt_ids + t.response_ids for t in requests], replace(
                 sampling, n=1, request_seeds=tuple(turn_seed + t.index for t in requests),
-                request_max_tokens=tuple(max_response_length - len(t.response_ids) for t in requests)))
+                request_max_tokens=tuple(limits.turn_budget(len(t.response_ids)) for t in requests)))
             for t, ids, logprobs in zip(requests, output.response_ids, output.logprobs):
                 t.response_ids += ids
                 t.loss_mask += [1] * len(ids)
                 t.logprobs += logprobs
             observations = None
             if seats is not None:
-                last_turn = turn == max_turns - 1
+                last_turn = turn == limits.max_turns - 1
                 observations = list(pool.map(
                     lambda k, ids, reason: _observe(trajectories[k], ids, reason, *seats[k], last_turn,
-                                                    max_response_length),
+                                                    limits.max_response_length),
                     active, output.response_ids, output.finish_reasons))
             for t, observation in zip(requests, share(observations)):
                 if observation is None:
@@ -104,7 +117,7 @@ def _observe(trajectory: Trajectory, turn_ids: list[int], finish_reason: str, en
     text = renderer.decode(turn_ids)
     trajectory.messages.append({"role": "assistant", "content": text})
     trajectory.num_turns += 1
-    if finish_reason == "length":  # the budget is spent mid-turn
+    if finish_reason == "length" and len(trajectory.response_ids) >= max_response_length:  # budget spent mid-turn
         trajectory.truncated = True
         return None
     if last_turn:

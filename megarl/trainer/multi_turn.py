@@ -4,11 +4,12 @@ The replicas split the step's prompts into the same blocks as single-turn genera
 replica runs its block's trajectories turn by turn (`megarl.agent.trajectories`). The replica's
 first rank alone holds the environments (one per trajectory), as it alone scores: tools run once per
 trajectory, and its TP peers receive each turn's observation tokens in one broadcast over the
-replica. The openings (each trajectory's first messages rendered with its environment's tools) are
-what every later phase takes as the sequence's prompt, so they are gathered onto every rank once.
+replica. The openings (each trajectory's first messages rendered with its environment's tools, or
+the sample's own prompt when `reset` returns none) are what every later phase takes as the
+sequence's prompt, so they are gathered onto every rank once.
 
-The reward function scores each trajectory's last assistant turn; an environment that returns a
-reward when it ends the trajectory gives the score instead. Every rank then learns each trajectory's
+An environment that returns a reward when it ends a trajectory gives its score; the reward function
+scores the last assistant turn of the others. Every rank then learns each trajectory's
 score, length, finish reason and counts (turns, tool calls, tool errors) from `share_scores`, and the
 responses with their loss masks stay on their replica until `move_responses`, as single-turn ones.
 """
@@ -16,20 +17,19 @@ responses with their loss masks stay on their replica until `move_responses`, as
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch.distributed as dist
 
+from megarl.agent.environment import Environment
 from megarl.agent.rendering import ChatRenderer
-from megarl.agent.trajectories import Trajectory, run_turns
+from megarl.agent.trajectories import Trajectory, TurnLimits, run_turns
 from megarl.data.dataset import Prompt
-from megarl.rewards.manager import RewardManager, ScoringItem
+from megarl.rewards.manager import RewardManager, RewardResult, ScoringItem
 from megarl.rollout.base import RolloutEngine, RolloutOutput, Sampling
 from megarl.trainer.rollouts import Rollouts, share_scores, unfilled_rollouts
-
-if TYPE_CHECKING:
-    from megarl.agent.environment import Environment
 
 TRAJECTORY_STATS = ("turns", "tool_calls", "tool_errors")
 
@@ -37,10 +37,10 @@ TRAJECTORY_STATS = ("turns", "tool_calls", "tool_errors")
 class MultiTurnRollouts:
     """Collects multi-turn rollouts; built once on every rank (it creates the replicas' process groups)."""
 
-    def __init__(self, environment_for: Callable[[Prompt], Environment], tokenizer, engine_tp: int, max_turns: int,
-                 max_response_length: int):
+    def __init__(self, environment_for: Callable[[Prompt], Environment], tokenizer, engine_tp: int, limits: TurnLimits,
+                 max_prompt_length: int):
         self.environment_for, self.tokenizer, self.engine_tp = environment_for, tokenizer, engine_tp
-        self.max_turns, self.max_response_length = max_turns, max_response_length
+        self.limits, self.max_prompt_length = limits, max_prompt_length
         self.end_of_turn_id = ChatRenderer(tokenizer, []).end_of_turn_id
         self.renderers: dict[str, ChatRenderer] = {}
         rank, self.replica_group = dist.get_rank(), None
@@ -79,7 +79,11 @@ class MultiTurnRollouts:
                 environment = self.environment_for(rollouts.prompts[i])
                 messages = environment.reset(rollouts.prompts[i])
                 seats.append((environment, self._renderer(environment.tools)))
-                openings[i] = (seats[-1][1].opening(messages), messages)
+                openings[i] = (seats[-1][1].opening(messages) if messages else rollouts.prompts[i].prompt_ids, messages)
+                if len(openings[i][0]) > self.max_prompt_length:
+                    raise ValueError(f"the environment's opening of prompt {rollouts.prompts[i].index} has "
+                                     f"{len(openings[i][0])} tokens, over data.max_prompt_length="
+                                     f"{self.max_prompt_length}")
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, {i: ids for i, (ids, _) in openings.items()})
         opening_ids = {i: ids for part in everyone for i, ids in part.items()}
@@ -87,8 +91,7 @@ class MultiTurnRollouts:
         trajectories = [Trajectory(i, opening_ids[i], messages=list(openings[i][1]) if is_leader else [])
                         for i in mine]
         stop_ids = tuple(sorted({*sampling.stop_token_ids, self.end_of_turn_id}))
-        run_turns(trajectories, engine, replace(sampling, stop_token_ids=stop_ids), self.max_turns,
-                  self.max_response_length, seats, self._share)
+        run_turns(trajectories, engine, replace(sampling, stop_token_ids=stop_ids), self.limits, seats, self._share)
         rollouts.loss_masks = [None] * len(rollouts)
         rollouts.messages = [None] * len(rollouts)
         for t in trajectories:
@@ -97,10 +100,7 @@ class MultiTurnRollouts:
             rollouts.loss_masks[t.index] = t.loss_mask
         result, stats = None, {key: [] for key in TRAJECTORY_STATS}
         if is_leader and trajectories:
-            result = rewards.score([ScoringItem(rollouts.prompts[t.index].data_source, t.final_text,
-                                                rollouts.prompts[t.index].ground_truth,
-                                                rollouts.prompts[t.index].extra_info) for t in trajectories])
-            result.scores = [score if t.reward is None else t.reward for t, score in zip(trajectories, result.scores)]
+            result = _scores(trajectories, rollouts.prompts, rewards)
             stats = {"turns": [t.num_turns for t in trajectories], "tool_calls": [t.num_tool_calls for t in trajectories],
                      "tool_errors": [t.num_tool_errors for t in trajectories]}
             for t in trajectories:
@@ -109,3 +109,15 @@ class MultiTurnRollouts:
                                finish_reasons=["length" if t.truncated else "stop" for t in trajectories])
         share_scores(rollouts, output, result, start * n, stats)
         return rollouts
+
+
+def _scores(trajectories: list[Trajectory], prompts: list[Prompt], rewards: RewardManager) -> RewardResult:
+    """The environment's reward where it gave one, else the reward function's score of the last turn."""
+    unrewarded = [t for t in trajectories if t.reward is None]
+    result = rewards.score([ScoringItem(prompts[t.index].data_source, t.final_text, prompts[t.index].ground_truth,
+                                        prompts[t.index].extra_info) for t in unrewarded])
+    scored = {t.index: k for k, t in enumerate(unrewarded)}
+    return RewardResult([t.reward if t.reward is not None else result.scores[scored[t.index]] for t in trajectories],
+                        {key: [values[scored[t.index]] if t.index in scored else math.nan for t in trajectories]
+                         for key, values in result.extra.items()},
+                        result.num_errors, result.num_timeouts, result.first_error)
