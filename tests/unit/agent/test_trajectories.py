@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megarl.agent.rendering import ChatRenderer
-from megarl.agent.trajectories import Trajectory, run_turns
+from megarl.agent.trajectories import Trajectory, TurnLimits, run_turns
 from megarl.rollout.base import Sampling
 from megarl.rollout.hf_backend import HFRollout
 
@@ -48,7 +48,8 @@ def _run(engine, renderer, indices, sampling, max_turns):
     opening = [{"role": "user", "content": "Say something."}]
     trajectories = [Trajectory(i, renderer.opening(opening), messages=list(opening)) for i in indices]
     seats = [(EchoEnvironment(), renderer) for _ in indices]
-    run_turns(trajectories, engine, sampling, max_turns, MAX_RESPONSE, seats, share=lambda observations: observations)
+    run_turns(trajectories, engine, sampling, TurnLimits(max_turns, MAX_RESPONSE), seats,
+              share=lambda observations: observations)
     return trajectories
 
 
