@@ -83,6 +83,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "trajectory (rollout.multi_turn.environment); default: by data_source, else the tools")
     parser.add_argument("--max-turns", type=int, default=MultiTurnConfig().max_turns, help="--multi-turn: model "
                         "turns per trajectory at most")
+    parser.add_argument("--max-tokens-per-turn", type=int, default=0, help="--multi-turn: tokens of one model turn "
+                        "at most (0: what is left of --max-response-length, which counts every response token)")
     args = parser.parse_args(argv)
     if Path(args.output).suffix not in (".jsonl", ".parquet"):
         parser.error(f"--output {args.output}: expected a .jsonl or .parquet file")
@@ -183,7 +185,8 @@ def main(argv: list[str]) -> None:
     if args.multi_turn:
         turns = MultiTurnConfig(enable=True, tools=args.tools, environment=args.environment, max_turns=args.max_turns)
         collector = MultiTurnRollouts(load_environment(RolloutConfig(multi_turn=turns)), tokenizer, args.engine_tp,
-                                      TurnLimits(args.max_turns, args.max_response_length), args.max_prompt_length)
+                                      TurnLimits(args.max_turns, args.max_response_length, args.max_tokens_per_turn),
+                                      args.max_prompt_length)
         rollouts = collector.collect(prompts, engine, sampling, rewards)
         held = [None] * dist.get_world_size()  # each replica's first rank holds its trajectories' messages
         dist.all_gather_object(held, {i: m for i, m in enumerate(rollouts.messages) if m is not None})

@@ -14,6 +14,7 @@ import sys
 
 import mlflow
 import pytest
+from transformers import AutoTokenizer
 
 from megarl.data.synthetic import make_arithmetic
 from tests.conftest import ROOT, assert_succeeded, torchrun
@@ -26,21 +27,22 @@ def arithmetic(tmp_path_factory):
 
 USER_REWARD = f"{ROOT / 'tests/integration/user_reward.py'}:compute_score"
 # Trajectories of 3 model turns of at most 8 tokens, each of the first two answered by the environment with
-# a user message of 21 tokens (20 after a turn that ends with <|im_end|>): at most 8 + 21 + 8 + 21 + 8 = 66.
+# a user message (ANSWERED, at most 26 tokens; one fewer after a turn that ends with <|im_end|>): at most 76.
+ANSWERED = "<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n"
 MULTI_TURN = ["rollout.multi_turn.enable=true", "rollout.multi_turn.max_turns=3",
-              "rollout.multi_turn.max_tokens_per_turn=8", "data.max_response_length=66", "data.max_prompt_length=32",
+              "rollout.multi_turn.max_tokens_per_turn=8", "data.max_response_length=76", "data.max_prompt_length=32",
               f"rollout.multi_turn.environment={ROOT / 'tests/integration/user_environment.py'}:AnswerEveryTurn",
               "trainer.total_steps=3"]
 
 
-def _check_trajectories(run_dir, experiment):
-    """Every step's trajectories played 3 turns, the environment answered the first two (its answers are
-    never cut: the budget leaves room), and its tokens are out of the model's count."""
+def _check_trajectories(run_dir, experiment, model):
+    """Every step's trajectories played 3 turns, the environment answered the first two (the budget leaves
+    room), and its tokens, as the model's tokenizer encodes the template's ChatML, are out of the model's count."""
+    answered = len(AutoTokenizer.from_pretrained(model)(ANSWERED, add_special_tokens=False)["input_ids"])
     assert _values(run_dir, experiment, "agent/turns") == [3.0] * 3
     assert _values(run_dir, experiment, "agent/tool_calls") == [2.0] * 3
-    assert all(40 <= v <= 42 for v in _values(run_dir, experiment, "agent/environment_tokens"))
+    assert all(2 * answered - 2 <= v <= 2 * answered for v in _values(run_dir, experiment, "agent/environment_tokens"))
     assert all(3 <= v <= 24 for v in _values(run_dir, experiment, "agent/model_tokens"))
-    assert all(v > 40 for v in _values(run_dir, experiment, "response_length/mean"))
 
 
 def _overrides(model, data, out, *extra):
@@ -113,7 +115,7 @@ def test_grpo_variants_give_the_same_run_at_dp1_and_dp2(tiny_models, arithmetic,
                           timeout=600)
         assert_succeeded(result)
         runs[dp] = out / "quickstart_grpo"
-        _check_trajectories(runs[dp], "quickstart_grpo")
+        _check_trajectories(runs[dp], "quickstart_grpo", tiny_models["qwen3-tied"])
         # Every trajectory is scored exactly once: 4 prompts x 8 samples per filter round, and 8
         # validation prompts x 1 sample before training and after the last step.
         rounds = _values(runs[dp], "quickstart_grpo", "rollout/filter_rounds")
@@ -170,7 +172,7 @@ def test_prime_at_tp2_trains_its_prm_on_the_outcome_labels(tiny_models, arithmet
                       timeout=600)
     assert_succeeded(result)
     run_dir = tmp_path / "quickstart_prime"
-    _check_trajectories(run_dir, "quickstart_prime")
+    _check_trajectories(run_dir, "quickstart_prime", tiny_models["qwen2-tied"])
     for metric in ("prime/prm_loss", "prime/token_reward/mean", "prime/grad_norm", "advantages/mean"):
         assert _logged(run_dir, "quickstart_prime", metric) == [1, 2, 3], metric
     before, after = (_values(run_dir, "quickstart_prime", f"prime/{m}") for m in ("prm_accuracy", "reward_accuracy"))
