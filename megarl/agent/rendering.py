@@ -38,7 +38,8 @@ class ChatRenderer:
         self.closing = self.probe_text[self.probe_text.index(SENTINEL) + len(SENTINEL):]
         closing_ids = self._ids(self.closing)
         if not closing_ids:
-            raise ValueError("the chat template writes nothing after an assistant turn: no end-of-turn token to stop on")
+            raise ValueError("the chat template writes nothing after an assistant turn: no end-of-turn token to "
+                             "stop on")
         self.end_of_turn_id = closing_ids[0]
         """The token that ends a model turn: the first token of the template's closing."""
 

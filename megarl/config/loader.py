@@ -97,6 +97,9 @@ def validate(config: RunConfig) -> None:
     _check_at_least("rollout.tp", config.rollout.tp, 1)
     _check_at_least("rollout.multi_turn.max_turns", config.rollout.multi_turn.max_turns, 1)
     _check_at_least("rollout.multi_turn.max_tokens_per_turn", config.rollout.multi_turn.max_tokens_per_turn, 0)
+    if config.rollout.multi_turn.enable and actor.router_replay:  # multi-turn rollouts record no routing
+        raise ConfigError("config key 'actor.router_replay' = True is not supported with rollout.multi_turn.enable; "
+                          "allowed: false")
     _check_choice("algorithm.kl_ctrl.type", config.algorithm.kl_ctrl.type, KL_CONTROLLERS)
     _check_at_least("trainer.total_steps", config.trainer.total_steps, 1)
     _check_at_least("trainer.log_freq", config.trainer.log_freq, 1)

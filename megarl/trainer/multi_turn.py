@@ -76,14 +76,13 @@ class MultiTurnRollouts:
         if is_leader:
             seats = []
             for i in mine:
-                environment = self.environment_for(rollouts.prompts[i])
-                messages = environment.reset(rollouts.prompts[i])
-                seats.append((environment, self._renderer(environment.tools)))
-                openings[i] = (seats[-1][1].opening(messages) if messages else rollouts.prompts[i].prompt_ids, messages)
+                prompt, environment = rollouts.prompts[i], self.environment_for(rollouts.prompts[i])
+                messages, renderer = environment.reset(prompt), self._renderer(environment.tools)
+                seats.append((environment, renderer))
+                openings[i] = (renderer.opening(messages) if messages else prompt.prompt_ids, messages)
                 if len(openings[i][0]) > self.max_prompt_length:
-                    raise ValueError(f"the environment's opening of prompt {rollouts.prompts[i].index} has "
-                                     f"{len(openings[i][0])} tokens, over data.max_prompt_length="
-                                     f"{self.max_prompt_length}")
+                    raise ValueError(f"the environment's opening of prompt {prompt.index} has {len(openings[i][0])} "
+                                     f"tokens, over data.max_prompt_length={self.max_prompt_length}")
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, {i: ids for i, (ids, _) in openings.items()})
         opening_ids = {i: ids for part in everyone for i, ids in part.items()}
@@ -101,7 +100,8 @@ class MultiTurnRollouts:
         result, stats = None, {key: [] for key in TRAJECTORY_STATS}
         if is_leader and trajectories:
             result = _scores(trajectories, rollouts.prompts, rewards)
-            stats = {"turns": [t.num_turns for t in trajectories], "tool_calls": [t.num_tool_calls for t in trajectories],
+            stats = {"turns": [t.num_turns for t in trajectories],
+                     "tool_calls": [t.num_tool_calls for t in trajectories],
                      "tool_errors": [t.num_tool_errors for t in trajectories]}
             for t in trajectories:
                 rollouts.messages[t.index] = t.messages
