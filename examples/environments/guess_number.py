@@ -1,6 +1,7 @@
 """An example environment: guess-the-number, with feedback, rewarded by the environment itself.
 
-Each sample's `ground_truth` is the secret, an integer from 1 to 100. The model answers with
+Each sample's `ground_truth` is the secret, an integer from 1 to 100 (the row's prompt is not used:
+`reset` opens the trajectory with the rules). The model answers with
 <guess>N</guess>; the environment says "higher" or "lower" until the model finds it or uses up its
 guesses. Reward 1.0 for finding it, 0.0 otherwise: no reward function needed.
 

@@ -2,7 +2,7 @@
 
 Each call gets a fresh interpreter (`sandbox_child.py`, which confines itself before running the code)
 in a new scratch directory that is deleted afterwards, with a wall-clock timeout that kills its whole
-process group. Output goes to files in the scratch directory, so the file-size limit bounds it and
+process group, and an empty environment. Output goes to files in the scratch directory, so the file-size limit bounds it and
 the parent reads only its head. What this does and does not protect against is
 in the README's "Sandbox" section.
 """
@@ -23,6 +23,8 @@ from pathlib import Path
 from megarl.config.schema import SandboxConfig
 
 CHILD = Path(__file__).with_name("sandbox_child.py")
+SCRATCH_PREFIX = "megarl-sandbox-"
+"""Scratch directories are named <prefix><pid of the process that made it>-<random>."""
 SIGNAL_REASONS = {signal.SIGXCPU: "CPU time limit exceeded", signal.SIGXFSZ: "file size limit exceeded",
                   signal.SIGKILL: "killed (out of memory or process limit)", signal.SIGSEGV: "crashed (segfault)"}
 
@@ -38,13 +40,14 @@ class SandboxResult:
 
 def run_python(code: str, limits: SandboxConfig, timeout_seconds: float, max_output_chars: int) -> SandboxResult:
     """Run `code` in a confined fresh interpreter; never raises for anything the code does."""
-    scratch = tempfile.mkdtemp(prefix="megarl-sandbox-")
+    scratch = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
     try:
         with open(os.path.join(scratch, ".stdout"), "wb+") as stdout, \
                 open(os.path.join(scratch, ".stderr"), "wb+") as stderr:
             process = subprocess.Popen(
                 [sys.executable, "-I", str(CHILD), scratch, json.dumps(asdict(limits)), str(os.getpid())],
-                stdin=subprocess.PIPE, stdout=stdout, stderr=stderr, cwd=scratch, start_new_session=True)
+                stdin=subprocess.PIPE, stdout=stdout, stderr=stderr, cwd=scratch, start_new_session=True,
+                env={})  # none of the trainer's environment (tokens, paths) reaches the code
             timed_out = False
             try:
                 process.communicate(code.encode(), timeout=timeout_seconds)
@@ -56,6 +59,25 @@ def run_python(code: str, limits: SandboxConfig, timeout_seconds: float, max_out
         return SandboxResult(*output, _error(process.returncode, timed_out, timeout_seconds), timed_out)
     finally:
         _remove_tree(scratch)
+
+
+def remove_orphaned_scratch() -> None:
+    """Delete the scratch directories of processes that died mid-call: a killed trainer cannot delete
+    its own, its sandboxes die with it (PR_SET_PDEATHSIG) and their directories stay."""
+    for path in Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
+        pid = path.name[len(SCRATCH_PREFIX):].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            _remove_tree(str(path))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _kill_group(process: subprocess.Popen) -> None:

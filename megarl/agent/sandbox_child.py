@@ -1,21 +1,21 @@
 """The sandboxed child: confines itself, then runs the code it reads from stdin.
 
 Started by `megarl.agent.sandbox` as `python -I sandbox_child.py SCRATCH LIMITS_JSON PARENT_PID`, in
-SCRATCH, with stdout and stderr going to files there; it dies with the thread that started it. It imports nothing of megarl (a fresh interpreter stays small
-and starts in ~30 ms) and confines itself in this order, before the untrusted code runs:
+SCRATCH, with stdout and stderr going to files there; it dies with the thread that started it. It
+imports nothing of megarl (a fresh interpreter stays small and starts in ~30 ms) and confines itself
+in this order, before the untrusted code runs:
 
-1. kernel isolation where the machine allows it (best effort, each step skipped if refused): new user,
+1. resource limits (always): CPU seconds, address space, processes, file size, no core dumps;
+2. kernel isolation where the machine allows it (best effort, each step skipped if refused): new user,
    network and mount namespaces (no network interface but a downed loopback), every mount made
    read-only recursively, and SCRATCH bind-mounted writable again;
-2. resource limits (always): CPU seconds, address space, processes, file size, no core dumps;
 3. a Python audit hook (always): refuses sockets, starting processes, signalling other processes,
-   loading ctypes, and writing, creating or removing files outside SCRATCH.
+   changing resource limits, loading ctypes, and writing, creating or removing files outside SCRATCH.
 
 The audit hook is what holds where namespaces are refused (e.g. a container without user namespaces);
 it is a guard against accidents and naive attacks, not a security boundary (see README "Sandbox").
 """
 
-import ctypes
 import json
 import os
 import resource
@@ -30,45 +30,53 @@ MOUNT_ATTR_RDONLY, AT_FDCWD, AT_RECURSIVE = 0x1, -100, 0x8000
 PR_SET_PDEATHSIG = 1
 SYS_MOUNT_SETATTR = 442  # the same number on x86-64 and aarch64 (new syscalls share one table)
 
-WRITE_EVENTS = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.symlink",
-                "os.link", "os.truncate", "os.utime", "os.chflags", "os.mkfifo", "os.mknod", "shutil.rmtree",
-                "shutil.copyfile", "shutil.move", "shutil.chown"}
+WRITE_EVENTS = {"os.remove", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.truncate", "os.utime",
+                "os.chflags", "os.mkfifo", "os.mknod", "shutil.rmtree", "shutil.chown"}
+TWO_PATH_EVENTS = {"os.rename", "os.link", "os.symlink", "shutil.copyfile", "shutil.copytree", "shutil.move"}
 PROCESS_EVENTS = {"os.fork", "os.forkpty", "os.system", "os.posix_spawn", "os.exec", "os.spawn", "os.kill",
                   "os.killpg", "subprocess.Popen", "pty.spawn", "signal.pthread_kill"}
+LIMIT_EVENTS = {"resource.setrlimit", "resource.prlimit"}  # root outside a user namespace could lift them
 BLOCKED_IMPORTS = {"ctypes", "_ctypes"}  # foreign calls go around every audit event
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 
-class _MountAttr(ctypes.Structure):
-    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
-                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+def isolate_namespaces(scratch: str) -> None:
+    """Enter new user, network and mount namespaces and make everything but `scratch` read-only, as far
+    as the kernel allows (a refused step leaves the steps after it out)."""
+    import ctypes  # here, not at the top: `forget_ctypes` must find no reference to it
 
+    class MountAttr(ctypes.Structure):
+        _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                    ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
 
-def isolate_namespaces(scratch: str) -> list[str]:
-    """Enter new user, network and mount namespaces and make everything but `scratch` read-only;
-    the names of the steps that took effect."""
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWNS) != 0:
-        return []
-    done = ["user+network+mount namespaces"]
+        return
     path = scratch.encode()
     if (libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0
             and libc.mount(path, path, None, MS_BIND | MS_REC, None) == 0):
-        read_only, writable = _MountAttr(MOUNT_ATTR_RDONLY, 0, 0, 0), _MountAttr(0, MOUNT_ATTR_RDONLY, 0, 0)
-        if (libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, b"/", AT_RECURSIVE, ctypes.byref(read_only),
-                         ctypes.sizeof(read_only)) == 0
-                and libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, path, AT_RECURSIVE, ctypes.byref(writable),
-                                 ctypes.sizeof(writable)) == 0):
-            done.append("read-only mounts")
-    return done
+        read_only, writable = MountAttr(MOUNT_ATTR_RDONLY, 0, 0, 0), MountAttr(0, MOUNT_ATTR_RDONLY, 0, 0)
+        if libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, b"/", AT_RECURSIVE, ctypes.byref(read_only),
+                        ctypes.sizeof(read_only)) == 0:
+            libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, path, AT_RECURSIVE, ctypes.byref(writable),
+                         ctypes.sizeof(writable))
 
 
 def die_with_parent(parent_pid: int) -> None:
     """SIGKILL this process when the thread that started it ends, so that a trainer that dies mid-call
     leaves no sandbox behind. Set after the namespaces: entering a user namespace clears it."""
+    import ctypes
+
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before the line above
         os._exit(1)
+
+
+def forget_ctypes() -> None:
+    """Drop the ctypes this setup loaded, so that the code's `import ctypes` is a new import, which the
+    audit hook refuses (an import of a module already loaded raises no audit event)."""
+    for name in [name for name in sys.modules if name.split(".")[0] in BLOCKED_IMPORTS]:
+        del sys.modules[name]
 
 
 def _tasks_of_this_user() -> int:
@@ -96,12 +104,23 @@ def set_limits(limits: SimpleNamespace) -> None:
     resource.setrlimit(resource.RLIMIT_NPROC, (allowed, allowed))
 
 
+def _written_paths(event: str, args: tuple) -> tuple:
+    """The paths an audit event would create, change or remove."""
+    if event == "open":
+        path, mode, flags = args
+        writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool(flags & WRITE_FLAGS)
+        return (path,) if writes and path is not None else ()
+    if event in TWO_PATH_EVENTS:
+        return args[:2]
+    return args[:1] if event in WRITE_EVENTS else ()
+
+
 def install_audit_hook(scratch: str) -> None:
-    """Refuse network, new processes, ctypes and writes outside `scratch` from here on."""
+    """Refuse network, new processes, new limits, ctypes and writes outside `scratch` from here on."""
     inside = os.path.realpath(scratch) + os.sep
 
     def outside(path) -> bool:
-        if isinstance(path, int):  # an already open descriptor (os.chmod(fd)...): opened under this hook
+        if isinstance(path, int):  # an open descriptor (os.chmod(fd)...), opened under this hook
             return False
         return not (os.path.realpath(os.fsdecode(path)) + os.sep).startswith(inside)
 
@@ -110,29 +129,26 @@ def install_audit_hook(scratch: str) -> None:
             raise PermissionError(f"sandbox: no network ({event})")
         if event in PROCESS_EVENTS:
             raise PermissionError(f"sandbox: no new processes or signals ({event})")
+        if event in LIMIT_EVENTS:
+            raise PermissionError(f"sandbox: resource limits are fixed ({event})")
         if event == "import" and args[0] in BLOCKED_IMPORTS:
             raise ImportError(f"sandbox: module {args[0]!r} is not available")
-        if event == "open":
-            path, mode, flags = args
-            writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool(flags & WRITE_FLAGS)
-            if writes and path is not None and outside(path):
-                raise PermissionError(f"sandbox: writing outside the scratch directory ({path})")
-        elif event in WRITE_EVENTS and args and not isinstance(args[0], int) and outside(args[0]):
-            raise PermissionError(f"sandbox: changing files outside the scratch directory ({event} {args[0]})")
-        if event in {"os.rename", "os.link", "os.symlink", "shutil.copyfile", "shutil.move"} and outside(args[1]):
-            raise PermissionError(f"sandbox: changing files outside the scratch directory ({event} {args[1]})")
+        for path in _written_paths(event, args):
+            if outside(path):
+                raise PermissionError(f"sandbox: writing outside the scratch directory ({event} {path})")
 
     sys.addaudithook(hook)
 
 
 def main() -> None:
     scratch, limits, parent_pid = sys.argv[1], SimpleNamespace(**json.loads(sys.argv[2])), int(sys.argv[3])
+    set_limits(limits)  # before the user namespace, which takes its process cap from RLIMIT_NPROC now
     if limits.namespaces:  # `limits` holds a SandboxConfig's fields
         isolate_namespaces(scratch)
         os.chdir(scratch)  # the working directory still pointed below the bind mount, at the read-only one
     die_with_parent(parent_pid)
+    forget_ctypes()
     code = sys.stdin.read()
-    set_limits(limits)
     install_audit_hook(scratch)
     sys.argv = ["main.py"]
     try:

@@ -24,7 +24,7 @@ from typing import Callable
 from transformers.utils import get_json_schema
 
 from megarl.agent.calculator import evaluate as evaluate_arithmetic
-from megarl.agent.sandbox import run_python
+from megarl.agent.sandbox import remove_orphaned_scratch, run_python
 from megarl.config.schema import MultiTurnConfig
 from megarl.messages import one_line
 from megarl.registry import Registry
@@ -98,6 +98,7 @@ def make_calculator(config: MultiTurnConfig) -> Callable[..., str]:
 
 @BUILTIN_TOOLS.register("python")
 def make_python(config: MultiTurnConfig) -> Callable[..., str]:
+    remove_orphaned_scratch()  # of an earlier run on this node that was killed mid-call
     def python(code: str) -> str:
         """Run Python code in a fresh sandboxed interpreter and return what it prints. No network, no
         files outside its own temporary directory, nothing kept between calls.

@@ -27,6 +27,7 @@ from megarl.config.schema import (
     PRIME_UPDATES,
     RESUME_MODES,
     EngineConfig,
+    MultiTurnConfig,
     RunConfig,
 )
 from megarl.messages import one_line
@@ -95,19 +96,29 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"config key 'prime.beta' = {config.prime.beta} is out of range; allowed: numbers > 0")
     _check_at_least("data.train_batch_size", config.data.train_batch_size, 1)
     _check_at_least("rollout.tp", config.rollout.tp, 1)
-    _check_at_least("rollout.multi_turn.max_turns", config.rollout.multi_turn.max_turns, 1)
-    _check_at_least("rollout.multi_turn.max_tokens_per_turn", config.rollout.multi_turn.max_tokens_per_turn, 0)
     if config.rollout.multi_turn.enable and actor.router_replay:  # multi-turn rollouts record no routing
         raise ConfigError("config key 'actor.router_replay' = True is not supported with rollout.multi_turn.enable; "
                           "allowed: false")
     _check_choice("algorithm.kl_ctrl.type", config.algorithm.kl_ctrl.type, KL_CONTROLLERS)
     _check_at_least("trainer.total_steps", config.trainer.total_steps, 1)
     _check_at_least("trainer.log_freq", config.trainer.log_freq, 1)
+    _check_multi_turn(config.rollout.multi_turn)
     for logger in config.trainer.loggers:
         _check_choice("trainer.loggers", logger, LOGGERS)
     _check_choice("trainer.resume_mode", config.trainer.resume_mode, RESUME_MODES)
     if config.trainer.resume_mode == "path" and not config.trainer.resume_path:
         raise ConfigError("config key 'trainer.resume_path' is required when trainer.resume_mode=path")
+
+
+def _check_multi_turn(multi_turn: MultiTurnConfig) -> None:
+    _check_at_least("rollout.multi_turn.max_turns", multi_turn.max_turns, 1)
+    _check_at_least("rollout.multi_turn.max_tokens_per_turn", multi_turn.max_tokens_per_turn, 0)
+    if multi_turn.tool_timeout_seconds <= 0:
+        raise ConfigError(f"config key 'rollout.multi_turn.tool_timeout_seconds' = {multi_turn.tool_timeout_seconds} "
+                          "is out of range; allowed: numbers > 0")
+    _check_at_least("rollout.multi_turn.max_tool_output_chars", multi_turn.max_tool_output_chars, 1)
+    for name in ("cpu_seconds", "memory_mib", "max_processes", "max_file_mib"):
+        _check_at_least(f"rollout.multi_turn.sandbox.{name}", getattr(multi_turn.sandbox, name), 1)
 
 
 def validate_layout(config: RunConfig, world_size: int) -> None:

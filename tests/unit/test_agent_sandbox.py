@@ -18,11 +18,12 @@ import psutil
 import pytest
 
 from megarl.agent.environment import ToolEnvironment, load_environment
+from megarl.agent.tools import load_tools
 from megarl.config.schema import MultiTurnConfig, RolloutConfig, SandboxConfig
 from megarl.data.dataset import Prompt
 
 ROOT = Path(__file__).resolve().parents[2]
-TIMEOUT_SECONDS = 4.0  # wall clock: well above the CPU limit, so a loaded machine still hits the CPU limit first
+TIMEOUT_SECONDS = 10.0  # wall clock: far above the CPU limit, so a loaded machine still hits the CPU limit first
 SHORT_TIMEOUT_SECONDS = 0.5  # for code that sleeps, which no CPU limit stops
 LIMITS = dict(cpu_seconds=1, memory_mib=256, max_processes=8, max_file_mib=1)
 
@@ -78,6 +79,13 @@ def test_a_memory_bomb_hits_the_memory_limit(environment):
                                "MemoryError")
 
 
+def test_limits_cannot_be_lifted(environment):
+    """Not even the CPU limit's soft value up to its hard one (the kernel itself allows that)."""
+    hard = LIMITS["cpu_seconds"] + 1
+    code = f"import resource\nresource.setrlimit(resource.RLIMIT_CPU, ({hard}, {hard}))\nprint('lifted')"
+    assert_error_then_recovers(environment, code, "resource limits are fixed")
+
+
 def test_a_process_flood_is_refused(environment):
     code = ("import os, time\nfor _ in range(64):\n    if os.fork() == 0:\n        time.sleep(3)\n        os._exit(0)\n"
             "print('forked 64')")
@@ -95,17 +103,25 @@ def test_no_network(environment):
             server.accept()  # nothing connected
 
 
+def test_no_ctypes(environment):
+    """Foreign calls would go around every audit event."""
+    assert_error_then_recovers(environment, "import ctypes\nprint(ctypes.CDLL(None).getpid())",
+                               "module 'ctypes' is not available")
+
+
 def test_no_writes_outside_the_scratch_directory(environment, tmp_path):
     outside = tmp_path / "outside.txt"
     assert_error_then_recovers(environment, f"open({str(outside)!r}, 'w').write('escaped')", "Error")
     assert not outside.exists()
 
 
-def test_the_scratch_directory_is_writable_and_deleted_afterwards(environment):
-    code = "import os\nopen('notes.txt', 'w').write('kept')\nprint(os.getcwd(), open('notes.txt').read())"
+def test_the_scratch_directory_is_writable_and_deleted_afterwards_and_no_secret_gets_in(environment, monkeypatch):
+    monkeypatch.setenv("MEGARL_TEST_TOKEN", "secret")
+    code = ("import os\nopen('notes.txt', 'w').write('kept')\n"
+            "print(os.getcwd(), open('notes.txt').read(), os.environ.get('MEGARL_TEST_TOKEN', 'none'))")
     content, info, _ = run(environment, code)
-    scratch, text = content.split()
-    assert text == "kept" and info["tool_errors"] == 0
+    scratch, text, token = content.split()
+    assert (text, token) == ("kept", "none") and info["tool_errors"] == 0
     assert os.path.basename(scratch).startswith("megarl-sandbox-") and not os.path.exists(scratch)
 
 
@@ -115,8 +131,9 @@ def test_output_is_truncated(environment):
     assert content.endswith("\n[answer cut to 400 characters]")
 
 
-def test_a_sandbox_dies_with_the_process_that_started_it():
-    """A trainer killed mid-call (here: a helper process) leaves no sandboxed code running."""
+def test_a_sandbox_dies_with_the_process_that_started_it_and_its_directory_goes_next_time():
+    """A trainer killed mid-call (here: a helper process) leaves no sandboxed code running, and the next
+    run removes the scratch directory it left."""
     started = "from megarl.agent.sandbox import run_python\nfrom megarl.config.schema import SandboxConfig\n" \
               "run_python('import time\\ntime.sleep(60)', SandboxConfig(), 60, 100)"
     helper = psutil.Popen([sys.executable, "-c", started], env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -124,7 +141,11 @@ def test_a_sandbox_dies_with_the_process_that_started_it():
     while not (children := helper.children()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(children) == 1, "the helper started no sandbox"
+    scratch = Path(children[0].cmdline()[3])
     helper.kill()
     helper.wait()
     gone, alive = psutil.wait_procs(children, timeout=5)
     assert not alive, f"sandbox {alive} outlived the process that started it"
+    assert scratch.is_dir()  # nobody was left to delete it: the next run's python tool does
+    load_tools(MultiTurnConfig(tools=["python"]))
+    assert not scratch.exists()
