@@ -7,7 +7,7 @@ OUT := outputs/quickstart
 TORCHRUN := $(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=2
 export OMP_NUM_THREADS := 1
 
-.PHONY: quickstart moe-quickstart opd-quickstart test install docker-check clean
+.PHONY: quickstart moe-quickstart opd-quickstart agent-quickstart test install docker-check clean
 
 # The main job on the embedded default: a tiny Qwen2 and its tokenizer made here, synthetic "a+b="
 # tasks, a short SFT warm start, then GRPO on 2 CPU processes (curves in $(OUT)/quickstart_grpo).
@@ -34,6 +34,16 @@ opd-quickstart: $(INSTALLED)
 	$(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=1 checkpoints_tools/convert_to_hf.py \
 		--checkpoint $(OUT)/checkpoints/quickstart_grpo/global_step_1500 --output $(OUT)/quickstart_grpo/hf --verify
 	$(TORCHRUN) launchers/train_ppo.py --config configs/opd_quickstart.yaml
+
+# Agentic RL: "a*b" with the calculator tool. A tiny Qwen2 and its tokenizer made here, chats whose warm-start
+# targets (rendered with its chat template) call the calculator half of the time, a short SFT warm start, then
+# multi-turn GRPO on 2 CPU processes (curves in outputs/agent_quickstart/agent_quickstart_grpo).
+agent-quickstart: $(INSTALLED)
+	$(PYTHON) checkpoints_tools/make_tiny_model.py --family qwen2 --out outputs/agent_quickstart/base
+	$(PYTHON) -m megarl.data.synthetic --task multiplication --tokenizer outputs/agent_quickstart/base \
+		--out-dir outputs/agent_quickstart/data --num-train 4000 --num-test 200 --seed 0
+	$(TORCHRUN) launchers/train_sft.py --config configs/agent_quickstart_sft.yaml
+	$(TORCHRUN) launchers/train_ppo.py --config configs/agent_quickstart.yaml
 
 test: $(INSTALLED)
 	$(PYTHON) -m megarl.doctor --require core

@@ -35,8 +35,20 @@ from megarl.models.architecture import HF_CLASS_PREFIX
 
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
 BOS_TOKEN = "<|bos|>"
+# Qwen2.5's conventions, compacted for a character-level tokenizer (every character is a token): with
+# `tools`, a system turn names them (Qwen lists their whole JSON schemas) after the system message's own
+# content; consecutive `tool` messages become one user turn of <tool_response> blocks. Without tools,
+# every message is `<|im_start|>role\ncontent<|im_end|>\n`.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
+    "{{ '\\n' }}{% endif %}Tools: {% for tool in tools %}{{ (tool.function or tool).name }}"
+    "{% if not loop.last %}, {% endif %}{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n<tool_response>\\n' }}{{ message['content'] }}{{ '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",

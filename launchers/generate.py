@@ -14,6 +14,10 @@ ranks) generates for its share of the prompts and `collect_rollouts` scores the 
 as the trainer's validation does; `move_responses` brings them to rank 0, which writes one row per
 response (.jsonl or .parquet). The defaults (greedy, one sample, seed 1) are the trainer's validation
 defaults, so `launchers/evaluate.py` on the output reproduces `val/score/mean` for the same model.
+
+With --multi-turn each sample is a trajectory with tools or an environment, generated as the trainer's
+multi-turn rollouts (`megarl.trainer.multi_turn`): its row holds the whole conversation (`messages`), and
+`response` is its last assistant turn, which the reward function scores (and evaluate.py re-scores).
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ quiet_third_party_logs()  # before the libraries are imported: some warn or log 
 import torch.distributed as dist  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+from megarl.agent.environment import load_environment  # noqa: E402
+from megarl.agent.trajectories import TurnLimits  # noqa: E402
 from megarl.checkpoint.model_loading import load_model, model_problem  # noqa: E402
-from megarl.config.schema import RolloutConfig  # noqa: E402
+from megarl.config.schema import MultiTurnConfig, RolloutConfig  # noqa: E402
 from megarl.data.dataset import load_rows, write_rows  # noqa: E402
 from megarl.data.prompt_dataset import PromptDataset  # noqa: E402
 from megarl.distributed import init_layout  # noqa: E402
@@ -40,6 +46,7 @@ from megarl.doctor import MissingFeature, require  # noqa: E402
 from megarl.rewards import RewardManager, load_scoring_function  # noqa: E402
 from megarl.rollout import ROLLOUT_BACKENDS, RolloutEngine, Sampling  # noqa: E402
 from megarl.seeding import derive_seed  # noqa: E402
+from megarl.trainer.multi_turn import MultiTurnRollouts  # noqa: E402
 from megarl.trainer.policy import EngineSettings, RolloutPolicy  # noqa: E402
 from megarl.trainer.rollouts import Rollouts, collect_rollouts, move_responses  # noqa: E402
 from megarl.trainer.startup import exit_on_user_error  # noqa: E402
@@ -69,6 +76,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--reward-function", default="", help="path/to/file.py:function or "
                         "pkg.module:function; default: the rule scorers by data_source")
+    parser.add_argument("--multi-turn", action="store_true", help="trajectories with tools or an environment")
+    parser.add_argument("--tools", nargs="*", default=MultiTurnConfig().tools, help="--multi-turn: built-in tool "
+                        "names and path/to/file.py:function (rollout.multi_turn.tools)")
+    parser.add_argument("--environment", default="", help="--multi-turn: path/to/file.py:Class answering every "
+                        "trajectory (rollout.multi_turn.environment); default: by data_source, else the tools")
+    parser.add_argument("--max-turns", type=int, default=MultiTurnConfig().max_turns, help="--multi-turn: model "
+                        "turns per trajectory at most")
+    parser.add_argument("--max-tokens-per-turn", type=int, default=0, help="--multi-turn: tokens of one model turn "
+                        "at most (0: what is left of --max-response-length, which counts every response token)")
     args = parser.parse_args(argv)
     if Path(args.output).suffix not in (".jsonl", ".parquet"):
         parser.error(f"--output {args.output}: expected a .jsonl or .parquet file")
@@ -116,13 +132,29 @@ def start_engine(args: argparse.Namespace, model: ModelSource) -> RolloutEngine:
 
 
 def output_rows(rollouts: Rollouts, n: int, raw_rows: list[dict], tokenizer) -> list[dict]:
-    """One row per response; rollouts are prompt-major (sample j of prompt i at i * n + j)."""
-    responses = tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True)
+    """One row per response; rollouts are prompt-major (sample j of prompt i at i * n + j). A trajectory's
+    row has its conversation (the prompt's messages first when its environment kept them) and its last
+    assistant turn as the response."""
+    if not rollouts.messages:
+        responses = tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True)
+        conversations = [{} for _ in responses]
+    else:
+        conversations = [{"messages": _conversation(raw_rows[p.index]["prompt"], messages)}
+                         for p, messages in zip(rollouts.prompts, rollouts.messages)]
+        responses = [next(m["content"] for m in reversed(c["messages"]) if m["role"] == "assistant")
+                     for c in conversations]
     return [{"data_source": prompt.data_source, "prompt": raw_rows[prompt.index]["prompt"], "response": response,
              "ground_truth": prompt.ground_truth, "score": score, "index": prompt.index, "sample": i % n,
-             "finish_reason": reason, "extra_info": prompt.extra_info}
-            for i, (prompt, response, score, reason) in enumerate(zip(rollouts.prompts, responses, rollouts.scores,
-                                                                      rollouts.finish_reasons))]
+             "finish_reason": reason, "extra_info": prompt.extra_info, **conversation}
+            for i, (prompt, response, score, reason, conversation) in enumerate(zip(
+                rollouts.prompts, responses, rollouts.scores, rollouts.finish_reasons, conversations))]
+
+
+def _conversation(prompt: list[dict] | str, messages: list[dict]) -> list[dict]:
+    """A trajectory's messages, after its prompt's when its environment opened with none of its own."""
+    if messages and messages[0]["role"] != "assistant":
+        return messages
+    return ([{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)) + messages
 
 
 def write_generations(rows: list[dict], path: Path) -> None:
@@ -150,7 +182,17 @@ def main(argv: list[str]) -> None:
                         max_tokens=args.max_response_length, stop_token_ids=stop,
                         seed=derive_seed(args.seed, "validation"))  # the trainer's validation stream
     rewards = RewardManager(load_scoring_function(args.reward_function, "--reward-function"))
-    rollouts = collect_rollouts(prompts, engine, sampling, args.engine_tp, tokenizer, rewards)
+    if args.multi_turn:
+        turns = MultiTurnConfig(enable=True, tools=args.tools, environment=args.environment, max_turns=args.max_turns)
+        collector = MultiTurnRollouts(load_environment(RolloutConfig(multi_turn=turns)), tokenizer, args.engine_tp,
+                                      TurnLimits(args.max_turns, args.max_response_length, args.max_tokens_per_turn),
+                                      args.max_prompt_length)
+        rollouts = collector.collect(prompts, engine, sampling, rewards)
+        held = [None] * dist.get_world_size()  # each replica's first rank holds its trajectories' messages
+        dist.all_gather_object(held, {i: m for i, m in enumerate(rollouts.messages) if m is not None})
+        rollouts.messages = [next(part[i] for part in held if i in part) for i in range(len(rollouts))]
+    else:
+        rollouts = collect_rollouts(prompts, engine, sampling, args.engine_tp, tokenizer, rewards)
     everything_to_rank_0 = [list(range(len(rollouts)))] + [[] for _ in range(dist.get_world_size() - 1)]
     move_responses(rollouts, everything_to_rank_0, args.engine_tp)
     if dist.get_rank() == 0:

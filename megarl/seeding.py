@@ -15,6 +15,8 @@ The streams (purpose: coordinates):
     "rollout":          step, draw=filter round; training generations (one engine call)
     "validation":       none; validation generations, the same at every validation (and in generate.py)
     "mini_batch_order": step, draw=PPO epoch; the order of groups in an update's mini-batches
+    "multi_turn":       seed=the rollout call's seed, draw=turn; turn t of a multi-turn rollout, whose
+                        trajectory i samples with this seed + i (`megarl.agent.trajectories`)
 Model initialisation is seeded by megatron-core from the run's seed (`init_layout`).
 """
 

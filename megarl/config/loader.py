@@ -96,6 +96,9 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"config key 'prime.beta' = {config.prime.beta} is out of range; allowed: numbers > 0")
     _check_at_least("data.train_batch_size", config.data.train_batch_size, 1)
     _check_at_least("rollout.tp", config.rollout.tp, 1)
+    if config.rollout.multi_turn.enable and actor.router_replay:  # multi-turn rollouts record no routing
+        raise ConfigError("config key 'actor.router_replay' = True is not supported with rollout.multi_turn.enable; "
+                          "allowed: false")
     _check_choice("algorithm.kl_ctrl.type", config.algorithm.kl_ctrl.type, KL_CONTROLLERS)
     _check_at_least("trainer.total_steps", config.trainer.total_steps, 1)
     _check_at_least("trainer.log_freq", config.trainer.log_freq, 1)
@@ -108,6 +111,8 @@ def validate(config: RunConfig) -> None:
 
 
 def _check_multi_turn(multi_turn: MultiTurnConfig) -> None:
+    _check_at_least("rollout.multi_turn.max_turns", multi_turn.max_turns, 1)
+    _check_at_least("rollout.multi_turn.max_tokens_per_turn", multi_turn.max_tokens_per_turn, 0)
     if multi_turn.tool_timeout_seconds <= 0:
         raise ConfigError(f"config key 'rollout.multi_turn.tool_timeout_seconds' = {multi_turn.tool_timeout_seconds} "
                           "is out of range; allowed: numbers > 0")

@@ -308,6 +308,17 @@ class SandboxConfig:
 class MultiTurnConfig:
     """Agentic rollouts: the tools the model may call and the environment that answers its turns."""
 
+    enable: bool = False
+    """Generate trajectories turn by turn with an environment instead of one response per sample."""
+
+    max_turns: int = 4
+    """Model turns per trajectory at most; every response token, the model's and the environment's,
+    also counts against data.max_response_length."""
+
+    max_tokens_per_turn: int = 0
+    """Tokens of one model turn at most (a longer turn is cut and answered as it is); 0: what is left of
+    data.max_response_length."""
+
     tools: list[str] = field(default_factory=lambda: ["python", "calculator"])
     """Tools offered to the model: built-in names (python, calculator) and user functions
     `path/to/file.py:function` (schema from type hints and the docstring's Args section)."""

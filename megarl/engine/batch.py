@@ -6,6 +6,11 @@ Per-token quantities of responses (log-probs, values, advantages, masks) are *re
 (B, R) tensors whose column j is the j-th response token, right-padded to the longest response.
 The logits that predict response token j of sequence i sit at position prompt_length_i - 1 + j.
 
+Multi-turn rollouts (`megarl.agent`) interleave the model's tokens with its environment's in one
+response: `loss_mask_BR` is 1 on the model's tokens only, and `response_mask_BR` is that mask, so every
+loss, advantage and metric over the response mask counts the model's tokens alone. Lengths still
+count every response token (`response_lengths_B`: the token budget, positions, micro-batching).
+
 Mixture-of-experts rollouts also carry the experts the rollout engine routed each token to
 (`routed_experts_BTLK`), token-aligned like `tokens_BT`: the actor replays them (router replay) and
 measures how often its own routing agrees. The engine ran every position but the last of each
@@ -62,16 +67,23 @@ class SequenceBatch:
     """MoE rollouts: (B, T, num MoE layers, top-k) int16 expert ids of each position, aligned with
     `tokens_BT` (placeholder ids where the engine routed nothing); None otherwise."""
 
+    loss_mask_BR: torch.Tensor | None = None
+    """Multi-turn rollouts: (B, R) float, 1 on the model's response tokens, 0 on its environment's and
+    on padding; None: every response token is the model's."""
+
     @classmethod
     def from_sequences(cls, prompt_ids: list[list[int]], response_ids: list[list[int]], pad_token_id: int,
                        response_tensors: dict[str, torch.Tensor] | None = None,
-                       routed_experts: list[torch.Tensor] | None = None) -> SequenceBatch:
+                       routed_experts: list[torch.Tensor] | None = None,
+                       loss_masks: list[list[int]] | None = None) -> SequenceBatch:
         """The batch of `prompt_ids[i] + response_ids[i]`, right-padded; `routed_experts[i]`: the
-        (P_i + R_i - 1, L, k) expert ids the rollout engine routed that sequence's tokens to."""
+        (P_i + R_i - 1, L, k) expert ids the rollout engine routed that sequence's tokens to;
+        `loss_masks[i]`: 1 on the model's tokens of `response_ids[i]`, 0 on the environment's."""
         tokens_BT = right_pad([p + r for p, r in zip(prompt_ids, response_ids)], pad_token_id)
         routing = right_pad_routing(routed_experts, tokens_BT.shape[1]) if routed_experts else None
+        loss_mask = right_pad(loss_masks, 0, torch.float32) if loss_masks else None
         return cls(tokens_BT, torch.tensor([len(p) for p in prompt_ids]), torch.tensor([len(r) for r in response_ids]),
-                   response_tensors or {}, routing)
+                   response_tensors or {}, routing, loss_mask)
 
     def __len__(self) -> int:
         return self.tokens_BT.shape[0]
@@ -86,8 +98,22 @@ class SequenceBatch:
 
     @property
     def response_mask_BR(self) -> torch.Tensor:
+        """1 on the response tokens the model wrote (what losses and metrics count), 0 elsewhere."""
+        if self.loss_mask_BR is not None:
+            return self.loss_mask_BR[:, : self.max_response_length]
+        return self._length_mask_BR()
+
+    def _length_mask_BR(self) -> torch.Tensor:
+        """1 on every response token, 0 on padding."""
         columns_R = torch.arange(self.max_response_length)
         return (columns_R[None, :] < self.response_lengths_B[:, None]).float()
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """The model's response tokens: the count token-mean losses divide by."""
+        if self.loss_mask_BR is not None:
+            return int(self.loss_mask_BR.sum())
+        return int(self.response_lengths_B.sum())
 
     def response_positions_BR(self) -> torch.Tensor:
         """Positions inside each sequence whose outputs predict its response tokens. Padded columns
@@ -119,6 +145,7 @@ class SequenceBatch:
             response_tensors={k: v[indices, :width] for k, v in self.response_tensors.items()},
             routed_experts_BTLK=(self.routed_experts_BTLK[indices, :length]
                                  if self.routed_experts_BTLK is not None else None),
+            loss_mask_BR=self.loss_mask_BR[indices, :width] if self.loss_mask_BR is not None else None,
         )
 
     def widened_to_multiple(self, multiple: int) -> SequenceBatch:
@@ -131,7 +158,8 @@ class SequenceBatch:
         routing = self.routed_experts_BTLK
         if routing is not None:
             routing = torch.cat([routing, routing_placeholder(*routing.shape[2:]).repeat(len(self), padding, 1, 1)], 1)
-        return SequenceBatch(tokens_BT, self.prompt_lengths_B, self.response_lengths_B, self.response_tensors, routing)
+        return SequenceBatch(tokens_BT, self.prompt_lengths_B, self.response_lengths_B, self.response_tensors, routing,
+                             self.loss_mask_BR)
 
     def validate(self, max_sequence_length: int) -> None:
         """Reject batches the engine cannot run, naming the offending sequence."""
@@ -152,6 +180,11 @@ class SequenceBatch:
         for name, tensor in self.response_tensors.items():
             if tensor.shape[0] != len(self) or tensor.shape[1] < width:
                 raise ValueError(f"response tensor {name!r} has shape {tuple(tensor.shape)}; expected ({len(self)}, >={width})")
+        mask = self.loss_mask_BR
+        if mask is not None and (mask.shape[0] != len(self) or mask.shape[1] < width
+                                 or (mask[:, :width] > self._length_mask_BR()).any()):
+            raise ValueError(f"loss_mask_BR has shape {tuple(mask.shape)} or ones past a response; expected "
+                             f"({len(self)}, >={width}), zero past each response")
         routing = self.routed_experts_BTLK
         if routing is not None and routing.shape[:2] != self.tokens_BT.shape:
             raise ValueError(f"routed_experts_BTLK has shape {tuple(routing.shape)}; expected "

@@ -310,8 +310,8 @@ class MegatronEngine:
         self.model.train()
         micro = self._micro_batches(batch, idle)
         weight = 0.0 if idle else 1.0
-        # (response tokens, sequences, all tokens) of each DP rank's share: the loss normalizer and the balance.
-        counts = weight * torch.tensor([batch.response_lengths_B.sum(), len(batch), batch.sequence_lengths_B.sum()])
+        # (model's response tokens, sequences, all tokens) of each DP rank's share: the loss normalizer and the balance.
+        counts = weight * torch.tensor([batch.num_loss_tokens, len(batch), int(batch.sequence_lengths_B.sum())])
         counts_per_rank = [torch.zeros(3, dtype=torch.float64) for _ in range(self.layout.dp)]
         dist.all_gather(counts_per_rank, counts.double(), group=self.layout.dp_group)
         num_tokens, num_sequences, num_all_tokens = map(int, sum(counts_per_rank))
@@ -332,7 +332,7 @@ class MegatronEngine:
                 kept.append({name: value.detach() for name, value in outputs.items()})
             loss, metrics = loss_fn(outputs, micro_batch, normalizer)
             reported = {"loss": loss.detach() * weight, **{k: v.detach() * weight for k, v in metrics.items()}}
-            return loss * token_sum, torch.tensor(int(micro_batch.response_lengths_B.sum() * weight)), reported
+            return loss * token_sum, torch.tensor(int(micro_batch.num_loss_tokens * weight)), reported
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()

@@ -28,6 +28,18 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
     """Base seed; request i of a call samples with seed + i (identical on every rank of a TP group)."""
+    request_seeds: tuple[int, ...] = ()
+    """Multi-turn rollouts: request i samples with request_seeds[i] instead (each trajectory keeps its own
+    stream whichever other trajectories are still running); () for seed + i."""
+    request_max_tokens: tuple[int, ...] = ()
+    """Multi-turn rollouts: request i generates at most request_max_tokens[i] tokens (what is left of its
+    trajectory's token budget); () for max_tokens."""
+
+    def seed_of(self, request: int) -> int:
+        return self.request_seeds[request] if self.request_seeds else self.seed + request
+
+    def max_tokens_of(self, request: int) -> int:
+        return self.request_max_tokens[request] if self.request_max_tokens else self.max_tokens
 
 
 @dataclass

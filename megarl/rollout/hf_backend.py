@@ -44,9 +44,9 @@ class HFRollout:
         stop = set(sampling.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None else set())
         result = RolloutOutput()
         for i, prompt in enumerate(prompts):
-            generator = torch.Generator().manual_seed(sampling.seed + i)
+            generator = torch.Generator().manual_seed(sampling.seed_of(i))
             for _ in range(sampling.n):
-                ids, logprobs, reason = self._sample(prompt, sampling, stop, generator)
+                ids, logprobs, reason = self._sample(prompt, sampling, sampling.max_tokens_of(i), stop, generator)
                 result.response_ids.append(ids)
                 result.logprobs.append(logprobs)
                 result.finish_reasons.append(reason)
@@ -61,10 +61,10 @@ class HFRollout:
             forwards.clear()
         return routing
 
-    def _sample(self, prompt, sampling: Sampling, stop: set[int], generator):
+    def _sample(self, prompt, sampling: Sampling, max_tokens: int, stop: set[int], generator):
         tokens = torch.tensor([prompt])
         ids, logprobs, cache = [], [], None
-        for _ in range(sampling.max_tokens):
+        for _ in range(max_tokens):
             out = self.model(tokens if cache is None else tokens[:, -1:], past_key_values=cache, use_cache=True)
             cache, logits = out.past_key_values, out.logits[0, -1].float()
             if sampling.temperature == 0:

@@ -111,8 +111,8 @@ class VLLMRollout:
         params = [
             SamplingParams(
                 n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                max_tokens=sampling.max_tokens, stop_token_ids=list(sampling.stop_token_ids),
-                seed=sampling.seed + i, logprobs=0, detokenize=False,
+                max_tokens=sampling.max_tokens_of(i), stop_token_ids=list(sampling.stop_token_ids),
+                seed=sampling.seed_of(i), logprobs=0, detokenize=False,
             )
             for i in range(len(prompts))
         ]

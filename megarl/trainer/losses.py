@@ -26,8 +26,8 @@ from megarl.engine.megatron_engine import LossFn, LossNormalizer
 
 
 def _as_contribution(value: torch.Tensor, micro_batch: SequenceBatch, normalizer: LossNormalizer) -> torch.Tensor:
-    """A token-mean metric of one micro-batch, weighted by its share of the mini-batch's tokens."""
-    return value.detach() * micro_batch.response_lengths_B.sum() / normalizer.num_tokens
+    """A token-mean metric of one micro-batch, weighted by its share of the mini-batch's (model) tokens."""
+    return value.detach() * micro_batch.num_loss_tokens / normalizer.num_tokens
 
 
 def actor_loss(config: ActorConfig, max_response_length: int) -> LossFn:

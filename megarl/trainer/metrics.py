@@ -1,6 +1,9 @@
 """The numbers a training step logs, one pure function per source (DESIGN.md, the "log" phase).
 
     reward/*, response_length/*, rollout/filter_rounds   the step's rollouts and their scores
+    agent/*                                              multi-turn trajectories: turns, tool calls and
+                                                         errors, the share that called a tool, tokens by
+                                                         source (model, environment)
     sync/*                                               the weight sync into the rollout engine
     actor/*, critic/*                                    the mean over an update's optimizer steps
                                                          (with actor/moe/*: expert load, router losses,
@@ -75,6 +78,18 @@ def rollout_stats(stats: ShareStats, rollouts: Rollouts, batch: SequenceBatch, s
     for key, values in rollouts.score_extras.items():
         values = torch.tensor(values)
         stats.add_mean(f"reward/{key}", values[~values.isnan()])  # NaN: a reward call without that extra
+    if rollouts.trajectory_stats:
+        trajectory_stats(stats, rollouts, batch)
+
+
+def trajectory_stats(stats: ShareStats, rollouts: Rollouts, batch: SequenceBatch) -> None:
+    """Means per trajectory of turns, tool calls, tool errors and tokens by source."""
+    for key, values in rollouts.trajectory_stats.items():
+        stats.add_mean(f"agent/{key}", torch.tensor(values))
+    stats.add_mean("agent/tool_call_share", torch.tensor(rollouts.trajectory_stats["tool_calls"]) > 0)
+    model_tokens_B = batch.response_mask_BR.sum(1)
+    stats.add_mean("agent/model_tokens", model_tokens_B)
+    stats.add_mean("agent/environment_tokens", batch.response_lengths_B - model_tokens_B)
 
 
 def run_metrics(rollouts: Rollouts, rounds: int) -> dict[str, float]:

@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+from megarl.agent.environment import load_environment
+from megarl.agent.trajectories import TurnLimits
 from megarl.algorithms import (
     ADVANTAGE_ESTIMATORS,
     AdaptiveKLController,
@@ -43,6 +45,7 @@ from megarl.tracking import Tracker
 from megarl.trainer.contract import check_batch
 from megarl.trainer.curves import plot_curves
 from megarl.trainer.losses import actor_loss, critic_loss
+from megarl.trainer.multi_turn import MultiTurnRollouts
 from megarl.trainer.metrics import (
     ShareStats,
     batch_stats,
@@ -82,6 +85,12 @@ class RLTrainer:
         self.sampler = ResumableSampler(len(self.train_data), data.train_batch_size, config.trainer.seed,
                                         shuffle=data.shuffle)
         self.rewards = RewardManager(load_scoring_function(config.reward.function), config.reward.timeout_seconds)
+        self.multi_turn = None
+        if config.rollout.multi_turn.enable:
+            turns = config.rollout.multi_turn
+            limits = TurnLimits(turns.max_turns, data.max_response_length, turns.max_tokens_per_turn)
+            self.multi_turn = MultiTurnRollouts(load_environment(config.rollout), self.tokenizer, config.rollout.tp,
+                                                limits, data.max_prompt_length)
         trainer = config.trainer
         self.checkpointer = Checkpointer(Path(trainer.checkpoint_dir) / trainer.experiment_name, config.model.path,
                                          self.run_dir / "config.yaml", trainer.max_ckpt_to_keep, trainer.async_save)
@@ -284,9 +293,13 @@ class RLTrainer:
         return kept, rounds
 
     def _collect(self, prompts: list, sampling: Sampling) -> Rollouts:
-        """Rollouts of `prompts` on the engine replicas, scored; stops the run if no reward call succeeded."""
-        rollouts = collect_rollouts(prompts, self.rollout, sampling, self.config.rollout.tp, self.tokenizer,
-                                    self.rewards)
+        """Rollouts of `prompts` on the engine replicas (trajectories with `rollout.multi_turn`), scored;
+        stops the run if no reward call succeeded."""
+        if self.multi_turn is not None:
+            rollouts = self.multi_turn.collect(prompts, self.rollout, sampling, self.rewards)
+        else:
+            rollouts = collect_rollouts(prompts, self.rollout, sampling, self.config.rollout.tp, self.tokenizer,
+                                        self.rewards)
         rollouts.require_rewards()
         return rollouts
 

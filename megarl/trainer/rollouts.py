@@ -54,6 +54,14 @@ class Rollouts:
     num_reward_timeouts: int = 0
     first_reward_failure: str | None = None
     """One line describing the first reward call that failed or timed out."""
+    loss_masks: list[list[int] | None] = field(default_factory=list)
+    """Multi-turn rollouts (`megarl.trainer.multi_turn`): 1 on each response's model tokens, 0 on its
+    environment's; None where not held; empty for single-turn rollouts."""
+    messages: list[list[dict] | None] = field(default_factory=list)
+    """Multi-turn rollouts: each trajectory's conversation, held by its replica's first rank (None
+    elsewhere); empty for single-turn rollouts."""
+    trajectory_stats: dict[str, list[float]] = field(default_factory=dict)
+    """Multi-turn rollouts: per-trajectory counts (turns, tool calls, tool errors, model tokens) on every rank."""
 
     def __len__(self) -> int:
         return len(self.group_ids)
@@ -64,7 +72,10 @@ class Rollouts:
                        response_lengths=pick(self.response_lengths), response_ids=pick(self.response_ids),
                        rollout_logprobs=pick(self.rollout_logprobs), finish_reasons=pick(self.finish_reasons),
                        routed_experts=pick(self.routed_experts) if self.routed_experts_shape else [],
-                       scores=pick(self.scores), score_extras={k: pick(v) for k, v in self.score_extras.items()})
+                       scores=pick(self.scores), score_extras={k: pick(v) for k, v in self.score_extras.items()},
+                       loss_masks=pick(self.loss_masks) if self.loss_masks else [],
+                       messages=pick(self.messages) if self.messages else [],
+                       trajectory_stats={k: pick(v) for k, v in self.trajectory_stats.items()})
 
     def extend(self, other: Rollouts) -> None:
         self.score_extras = _aligned_extras([self, other])
@@ -82,6 +93,9 @@ class Rollouts:
         self.num_reward_errors += other.num_reward_errors
         self.num_reward_timeouts += other.num_reward_timeouts
         self.first_reward_failure = self.first_reward_failure or other.first_reward_failure
+        self.loss_masks += other.loss_masks
+        self.messages += other.messages
+        self.trajectory_stats = {k: self.trajectory_stats.get(k, []) + v for k, v in other.trajectory_stats.items()}
 
     def require_rewards(self) -> None:
         """Raise when no reward call succeeded: training on all-zero rewards teaches nothing, and a
@@ -91,27 +105,21 @@ class Rollouts:
                                       f"{self.num_reward_timeouts} timeouts); first: {self.first_reward_failure}")
 
     def to_batch(self, pad_token_id: int) -> SequenceBatch:
-        """Prompt + response token sequences, right-padded, with the engine's log-probs aligned and
-        its routing, if any (all responses must be held here)."""
+        """Prompt + response token sequences, right-padded, with the engine's log-probs aligned, its
+        routing and the loss masks of multi-turn rollouts, if any (all responses must be held here)."""
         return SequenceBatch.from_sequences([p.prompt_ids for p in self.prompts], self.response_ids, pad_token_id,
                                             {"rollout_logprobs": right_pad(self.rollout_logprobs, 0.0, torch.float32)},
-                                            self.routed_experts or None)
+                                            self.routed_experts or None, self.loss_masks or None)
 
 
 def collect_rollouts(prompts: list[Prompt], engine: RolloutEngine, sampling: Sampling, engine_tp: int,
                      tokenizer, rewards: RewardManager) -> Rollouts:
     """Generate and score `sampling.n` responses per prompt on the engine replicas. Every rank
     returns every sequence's scores; the responses are held by their replica's ranks."""
-    rank, world, n = dist.get_rank(), dist.get_world_size(), sampling.n
-    replica, num_replicas = rank // engine_tp, world // engine_tp
-    blocks = [(k * len(prompts) // num_replicas, (k + 1) * len(prompts) // num_replicas) for k in range(num_replicas)]
-    start, stop = blocks[replica]
-    num_sequences = len(prompts) * n
-    rollouts = Rollouts(prompts=[p for p in prompts for _ in range(n)],
-                        group_ids=[i for i in range(len(prompts)) for _ in range(n)],
-                        replicas=[k for k, (first, end) in enumerate(blocks) for _ in range((end - first) * n)],
-                        response_ids=[None] * num_sequences, rollout_logprobs=[None] * num_sequences,
-                        routed_experts_shape=engine.routed_experts_shape)
+    rank, n = dist.get_rank(), sampling.n
+    rollouts, (start, stop) = unfilled_rollouts(prompts, n, engine_tp)
+    rollouts.routed_experts_shape = engine.routed_experts_shape
+    num_sequences = len(rollouts)
     if engine.routed_experts_shape is not None:
         rollouts.routed_experts = [None] * num_sequences
     output, result = RolloutOutput(), None
@@ -126,18 +134,34 @@ def collect_rollouts(prompts: list[Prompt], engine: RolloutEngine, sampling: Sam
             texts = tokenizer.batch_decode(output.response_ids, skip_special_tokens=True)
             result = rewards.score([ScoringItem(p.data_source, text, p.ground_truth, p.extra_info)
                                     for p, text in zip(rollouts.prompts[start * n : stop * n], texts)])
-    _share_scores(rollouts, output, result, start * n)
+    share_scores(rollouts, output, result, start * n)
     return rollouts
 
 
-def _share_scores(rollouts: Rollouts, output: RolloutOutput, result: RewardResult | None, first: int) -> None:
-    """Every sequence's score, length, finish reason and extras onto every rank: each replica's
-    scoring rank fills its rows of a zero table, and one all-reduce sums them."""
+def unfilled_rollouts(prompts: list[Prompt], n: int, engine_tp: int) -> tuple[Rollouts, tuple[int, int]]:
+    """The step's sequences before generation (no response held), and the block of prompts
+    [start, stop) this rank's replica generates."""
+    num_replicas = dist.get_world_size() // engine_tp
+    blocks = [(k * len(prompts) // num_replicas, (k + 1) * len(prompts) // num_replicas) for k in range(num_replicas)]
+    num_sequences = len(prompts) * n
+    rollouts = Rollouts(prompts=[p for p in prompts for _ in range(n)],
+                        group_ids=[i for i in range(len(prompts)) for _ in range(n)],
+                        replicas=[k for k, (first, end) in enumerate(blocks) for _ in range((end - first) * n)],
+                        response_ids=[None] * num_sequences, rollout_logprobs=[None] * num_sequences)
+    return rollouts, blocks[dist.get_rank() // engine_tp]
+
+
+def share_scores(rollouts: Rollouts, output: RolloutOutput, result: RewardResult | None, first: int,
+                  trajectory_stats: dict[str, list[float]] | None = None) -> None:
+    """Every sequence's score, length, finish reason, extras (and multi-turn counts) onto every rank:
+    each replica's scoring rank fills its rows of a zero table, and one all-reduce sums them."""
+    stat_keys = sorted(trajectory_stats or {})
     summary = (sorted(result.extra), result.first_error) if result is not None else ([], None)
     summaries = [None] * dist.get_world_size()
     dist.all_gather_object(summaries, summary)
     keys = sorted({key for names, _ in summaries for key in names})
-    table = torch.zeros(len(rollouts), 3 + len(keys), dtype=torch.float64)  # score, length, truncated, extras
+    # score, length, truncated, extras, multi-turn counts
+    table = torch.zeros(len(rollouts), 3 + len(keys) + len(stat_keys), dtype=torch.float64)
     counts = torch.zeros(2, dtype=torch.float64)
     if result is not None:
         rows = slice(first, first + len(result.scores))
@@ -147,6 +171,8 @@ def _share_scores(rollouts: Rollouts, output: RolloutOutput, result: RewardResul
         for column, key in enumerate(keys, start=3):
             values = result.extra.get(key, [math.nan] * len(result.scores))
             table[rows, column] = torch.tensor(values, dtype=torch.float64)
+        for column, key in enumerate(stat_keys, start=3 + len(keys)):
+            table[rows, column] = torch.tensor(trajectory_stats[key], dtype=torch.float64)
         counts[:] = torch.tensor([result.num_errors, result.num_timeouts])
     dist.all_reduce(table)
     dist.all_reduce(counts)
@@ -154,6 +180,8 @@ def _share_scores(rollouts: Rollouts, output: RolloutOutput, result: RewardResul
     rollouts.response_lengths = table[:, 1].long().tolist()
     rollouts.finish_reasons = ["length" if truncated else "stop" for truncated in table[:, 2].tolist()]
     rollouts.score_extras = {key: table[:, column].tolist() for column, key in enumerate(keys, start=3)}
+    rollouts.trajectory_stats = {key: table[:, column].tolist()
+                                 for column, key in enumerate(stat_keys, start=3 + len(keys))}
     rollouts.num_reward_errors, rollouts.num_reward_timeouts = map(int, counts.tolist())
     rollouts.first_reward_failure = next((failure for _, failure in summaries if failure), None)
 
@@ -162,11 +190,12 @@ def move_responses(rollouts: Rollouts, wanted: list[list[int]], engine_tp: int) 
     """Make rank r hold the responses of sequences `wanted[r]`, in place, in one all-to-all.
 
     Sequence i is sent to rank r by the rank of its replica at r's position in TP_r (r mod TP_r),
-    which spreads the sending over the replica. Token ids, log-probs and expert ids travel as float64
-    (all exact); every rank knows every length, so no sizes are exchanged."""
+    which spreads the sending over the replica. Token ids, log-probs, loss masks and expert ids travel as
+    float64 (all exact); every rank knows every length, so no sizes are exchanged."""
     rank, world = dist.get_rank(), dist.get_world_size()
     shape = rollouts.routed_experts_shape
     routing_width = shape[0] * shape[1] if shape is not None else 0
+    per_token = 3 if rollouts.loss_masks else 2  # ids, log-probs (, loss mask)
 
     def sender(index: int, receiver: int) -> int:
         return rollouts.replicas[index] * engine_tp + receiver % engine_tp
@@ -174,12 +203,13 @@ def move_responses(rollouts: Rollouts, wanted: list[list[int]], engine_tp: int) 
     def size(index: int) -> int:
         length = rollouts.response_lengths[index]
         routed = len(rollouts.prompts[index].prompt_ids) + length - 1 if routing_width else 0
-        return 2 * length + routed * routing_width
+        return per_token * length + routed * routing_width
 
     def payload(index: int) -> list[torch.Tensor]:
         routing = [rollouts.routed_experts[index].flatten().double()] if routing_width else []
+        mask = [torch.tensor(rollouts.loss_masks[index], dtype=torch.float64)] if rollouts.loss_masks else []
         return [torch.tensor(rollouts.response_ids[index], dtype=torch.float64),
-                torch.tensor(rollouts.rollout_logprobs[index], dtype=torch.float64), *routing]
+                torch.tensor(rollouts.rollout_logprobs[index], dtype=torch.float64), *mask, *routing]
 
     sent, send_splits = [], []
     for receiver in range(world):
@@ -197,8 +227,10 @@ def move_responses(rollouts: Rollouts, wanted: list[list[int]], engine_tp: int) 
             length = rollouts.response_lengths[i]
             rollouts.response_ids[i] = received[offset : offset + length].long().tolist()
             rollouts.rollout_logprobs[i] = received[offset + length : offset + 2 * length].tolist()
+            if rollouts.loss_masks:
+                rollouts.loss_masks[i] = received[offset + 2 * length : offset + 3 * length].long().tolist()
             if routing_width:
-                routing = received[offset + 2 * length : offset + size(i)]
+                routing = received[offset + per_token * length : offset + size(i)]
                 rollouts.routed_experts[i] = routing.view(-1, *shape).to(torch.int16)
             offset += size(i)
 

@@ -16,7 +16,8 @@ def pass_at_k(group_ids: list[int], scores: list[float]) -> float:
 
 
 def validation_metrics(rollouts: Rollouts, k: int) -> dict[str, float]:
-    """`val/score/<source>` (mean over all samples), `val/score/mean`, and `val/pass@k` when k > 1."""
+    """`val/score/<source>` (mean over all samples), `val/score/mean`, `val/pass@k` when k > 1, and for
+    multi-turn rollouts the share of trajectories that called a tool and the mean number of turns."""
     by_source: dict[str, list[float]] = defaultdict(list)
     for prompt, score in zip(rollouts.prompts, rollouts.scores):
         by_source[prompt.data_source].append(score)
@@ -24,4 +25,8 @@ def validation_metrics(rollouts: Rollouts, k: int) -> dict[str, float]:
     metrics["val/score/mean"] = sum(rollouts.scores) / len(rollouts.scores)
     if k > 1:
         metrics[f"val/pass@{k}"] = pass_at_k(rollouts.group_ids, rollouts.scores)
+    if rollouts.trajectory_stats:  # multi-turn: how often the model calls its tools
+        calls = rollouts.trajectory_stats["tool_calls"]
+        metrics["val/agent/tool_call_share"] = sum(c > 0 for c in calls) / len(calls)
+        metrics["val/agent/turns"] = sum(rollouts.trajectory_stats["turns"]) / len(calls)
     return metrics

@@ -9,6 +9,7 @@ recomputes it from the written responses.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -66,6 +67,31 @@ def test_generate_then_evaluate_samples(tiny_models, tmp_path):
     table = _evaluate(sampled, tmp_path)
     assert table["all"]["mean@4"] == pytest.approx(mean) and table["all"]["pass@4"] == pytest.approx(pass_at_4)
     assert table["arithmetic"]["prompts"] == 6 and table["arithmetic"]["pass@4"] == pytest.approx(pass_at_4)
+
+
+def test_generate_writes_trajectories_that_evaluate_scores(tiny_models, tmp_path):
+    # Two turns, the environment answering the first (tests/integration/user_environment.py): each row holds
+    # the conversation, its response is the last assistant turn, which the reward function scored.
+    _, test = make_arithmetic(8, 3, seed=0, out_dir=tmp_path / "data")
+    trajectories = tmp_path / "trajectories.jsonl"
+    assert_succeeded(_run("launchers/generate.py", "--model", tiny_models["qwen2-tied"], "--data", test,
+                          "--max-response-length", 40, "--reward-function", REWARD, "--output", trajectories,
+                          "--backend", "hf", "-n", 2, "--temperature", 1.0, "--multi-turn", "--max-turns", 2,
+                          "--max-tokens-per-turn", 6, "--environment",
+                          f"{ROOT / 'tests/integration/user_environment.py'}:AnswerEveryTurn"))
+    rows = [json.loads(line) for line in trajectories.read_text().splitlines()]
+    assert len(rows) == 6
+    for row in rows:
+        messages = row["messages"]
+        assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+        assert messages[0]["content"] == f"{row['ground_truth']}?" and messages[2]["content"] == "go on"
+        assert row["response"] == messages[3]["content"] and len(row["response"]) <= 6
+        assert row["score"] == _parity(row["response"])
+    mean, _ = _expected_table(rows)
+    spec = importlib.util.spec_from_file_location("evaluate", ROOT / "launchers/evaluate.py")
+    evaluate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluate)  # in this process: one launch less
+    assert evaluate.main([str(trajectories), "--reward-function", REWARD])["all"]["mean@2"] == pytest.approx(mean)
 
 
 def _logged(run_dir, experiment: str, metric: str) -> dict[int, float]:

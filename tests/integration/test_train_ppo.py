@@ -1,5 +1,5 @@
-"""The real launchers for a few steps: PPO with a critic at TP2xPP2xDP2 against TP1, GRPO with a KL
-loss at DP1 and DP2, on-policy distillation at PP2, PRIME at TP2. (PPO with a critic at TP2 and its
+"""The real launchers for a few steps: PPO with a critic at TP2xPP2xDP2 against TP1, multi-turn GRPO with a
+KL loss at DP1 and DP2, on-policy distillation at PP2, multi-turn PRIME at TP2 (actor and rollout engine). (PPO with a critic at TP2 and its
 validation, curves and config in mlflow: test_checkpoint_resume.py's uninterrupted runs.)
 
 Each run logs to a local mlflow store, which the test reads back with mlflow's own client.
@@ -14,6 +14,7 @@ import sys
 
 import mlflow
 import pytest
+from transformers import AutoTokenizer
 
 from megarl.data.synthetic import make_arithmetic
 from tests.conftest import ROOT, assert_succeeded, torchrun
@@ -25,6 +26,23 @@ def arithmetic(tmp_path_factory):
 
 
 USER_REWARD = f"{ROOT / 'tests/integration/user_reward.py'}:compute_score"
+# Trajectories of 3 model turns of at most 8 tokens, each of the first two answered by the environment with
+# a user message (ANSWERED, at most 26 tokens; one fewer after a turn that ends with <|im_end|>): at most 76.
+ANSWERED = "<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n"
+MULTI_TURN = ["rollout.multi_turn.enable=true", "rollout.multi_turn.max_turns=3",
+              "rollout.multi_turn.max_tokens_per_turn=8", "data.max_response_length=76", "data.max_prompt_length=32",
+              f"rollout.multi_turn.environment={ROOT / 'tests/integration/user_environment.py'}:AnswerEveryTurn",
+              "trainer.total_steps=3"]
+
+
+def _check_trajectories(run_dir, experiment, model):
+    """Every step's trajectories played 3 turns, the environment answered the first two (the budget leaves
+    room), and its tokens, as the model's tokenizer encodes the template's ChatML, are out of the model's count."""
+    answered = len(AutoTokenizer.from_pretrained(model)(ANSWERED, add_special_tokens=False)["input_ids"])
+    assert _values(run_dir, experiment, "agent/turns") == [3.0] * 3
+    assert _values(run_dir, experiment, "agent/tool_calls") == [2.0] * 3
+    assert all(2 * answered - 2 <= v <= 2 * answered for v in _values(run_dir, experiment, "agent/environment_tokens"))
+    assert all(3 <= v <= 24 for v in _values(run_dir, experiment, "agent/model_tokens"))
 
 
 def _overrides(model, data, out, *extra):
@@ -79,8 +97,8 @@ def test_ppo_at_tp2_pp2_dp2_matches_tp1(tiny_models, arithmetic, tmp_path):
 
 
 def test_grpo_variants_give_the_same_run_at_dp1_and_dp2(tiny_models, arithmetic, tmp_path, monkeypatch):
-    # KL loss, truncated IS, DAPO group filtering and overlong shaping, a Megatron reward model added
-    # to a user reward function loaded by path, which counts its calls.
+    # Multi-turn trajectories with a KL loss, truncated IS, DAPO group filtering and overlong shaping, a
+    # Megatron reward model added to a user reward function loaded by path, which counts its calls.
     runs = {}
     for dp in (1, 2):
         calls = tmp_path / f"calls_dp{dp}"
@@ -93,19 +111,21 @@ def test_grpo_variants_give_the_same_run_at_dp1_and_dp2(tiny_models, arithmetic,
                                       "actor.clip_ratio_high=0.28", "algorithm.filter_groups=true",
                                       "algorithm.overlong_buffer_length=2",
                                       f"reward.reward_model_path={tiny_models['qwen2-value']}",
-                                      f"reward.function={USER_REWARD}"),
+                                      f"reward.function={USER_REWARD}", *MULTI_TURN),
                           timeout=600)
         assert_succeeded(result)
         runs[dp] = out / "quickstart_grpo"
-        # Every response is scored exactly once: 4 prompts x 8 samples per filter round, and 8
+        _check_trajectories(runs[dp], "quickstart_grpo", tiny_models["qwen3-tied"])
+        # Every trajectory is scored exactly once: 4 prompts x 8 samples per filter round, and 8
         # validation prompts x 1 sample before training and after the last step.
         rounds = _values(runs[dp], "quickstart_grpo", "rollout/filter_rounds")
         num_calls = sum(len(f.read_text().splitlines()) for f in calls.iterdir())
         assert num_calls == 4 * 8 * sum(rounds) + 2 * 8, (dp, rounds, num_calls)
     for metric in ("actor/kl_loss", "mismatch/kl", "rollout/filter_rounds", "actor/grad_norm", "reward/length"):
-        assert _logged(runs[2], "quickstart_grpo", metric) == [1, 2], metric
-    # The same seed gives the same rewards and per-step losses at DP1 and DP2.
-    for metric in ("reward/function_mean", "reward/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
+        assert _logged(runs[2], "quickstart_grpo", metric) == [1, 2, 3], metric
+    # The same seed gives the same trajectories, rewards and per-step losses at DP1 and DP2.
+    for metric in ("reward/function_mean", "reward/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm",
+                   "agent/model_tokens", "mismatch/logprob_abs_diff_max"):
         dp1, dp2 = (_values(runs[dp], "quickstart_grpo", metric) for dp in (1, 2))
         assert dp1 == pytest.approx(dp2, rel=1e-4, abs=1e-6), metric
     # The pieces' effects on the batch and loss are checked on real tensors in tests/unit/trainer
@@ -144,14 +164,17 @@ def test_prime_at_tp2_trains_its_prm_on_the_outcome_labels(tiny_models, arithmet
     # The PRM starts from the SFT model and shares the run's reference (the KL loss builds it); one PRM
     # optimizer step per RL step, before the rewards (the paper's order), so the step's accuracy before
     # the update is on responses the PRM has not seen and the rewards' accuracy is after training on them.
+    # Multi-turn trajectories on a TP2 rollout engine: its second rank receives the environment's answers.
     result = torchrun(2, ROOT / "launchers/train_ppo.py", "--config", "configs/prime_quickstart.yaml",
-                      *_overrides(tiny_models["qwen2-tied"], arithmetic, tmp_path, "actor.tp=2", "actor.use_kl_loss=true",
-                                  "prime.ppo_mini_batch_size=4", "prime.optim.lr=1e-4", f"reward.function={USER_REWARD}"),
+                      *_overrides(tiny_models["qwen2-tied"], arithmetic, tmp_path, "actor.tp=2", "rollout.tp=2",
+                                  "actor.use_kl_loss=true", "prime.ppo_mini_batch_size=4", "prime.optim.lr=1e-4",
+                                  f"reward.function={USER_REWARD}", *MULTI_TURN),
                       timeout=600)
     assert_succeeded(result)
     run_dir = tmp_path / "quickstart_prime"
+    _check_trajectories(run_dir, "quickstart_prime", tiny_models["qwen2-tied"])
     for metric in ("prime/prm_loss", "prime/token_reward/mean", "prime/grad_norm", "advantages/mean"):
-        assert _logged(run_dir, "quickstart_prime", metric) == [1, 2], metric
+        assert _logged(run_dir, "quickstart_prime", metric) == [1, 2, 3], metric
     before, after = (_values(run_dir, "quickstart_prime", f"prime/{m}") for m in ("prm_accuracy", "reward_accuracy"))
     # At the first step the PRM equals its reference: every implicit reward is 0, P(correct) one half.
     assert before[0] == 0.5 and _values(run_dir, "quickstart_prime", "prime/prm_loss")[0] == pytest.approx(math.log(2))

@@ -1,14 +1,16 @@
 """The actor loss without recorded old log-probs (the update's own forward stands in for them), truncated
-importance weights, and PRIME's PRM loss, against gradients by hand."""
+importance weights, multi-turn loss masks, and PRIME's PRM loss, against gradients by hand."""
 
 import math
 
 import pytest
 import torch
 
+from megarl.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, AdvantageInputs
 from megarl.config.schema import ActorConfig, PrimeConfig
-from megarl.engine.batch import SequenceBatch
+from megarl.engine.batch import SequenceBatch, right_pad
 from megarl.engine.megatron_engine import LossNormalizer
+from megarl.rewards import token_level_scores
 from megarl.trainer.losses import actor_loss, prm_loss
 
 
@@ -93,3 +95,34 @@ def test_prm_loss_gradient_is_beta_times_sigmoid_minus_label():
     assert loss.item() == pytest.approx(expected_loss, rel=1e-6)
     right = sum((r > 0) == (y == 1.0) for r, y in zip(rewards, labels))
     assert metrics["prime/prm_accuracy"].item() == pytest.approx(right / 8)
+
+
+def test_environment_tokens_of_multi_turn_responses_get_exactly_zero_gradient():
+    # Two trajectories of one prompt, model turns with tool answers between them (loss mask 0), and a
+    # single-turn response: GRPO advantages from their rewards, then the actor loss with entropy and KL
+    # terms, differentiated with respect to every per-token input of the loss.
+    generator = torch.Generator().manual_seed(4)
+    loss_masks = [[1, 1, 0, 0, 0, 1], [1, 0, 0, 1, 1, 1, 0, 1], [1, 1, 1]]
+    batch = SequenceBatch.from_sequences([[7, 8], [7, 8], [9]], [[20 + i for i in range(len(m))] for m in loss_masks],
+                                         0, loss_masks=loss_masks)
+    mask = right_pad(loss_masks, 0, torch.float32)
+    rewards = token_level_scores([1.0, 0.0, 0.5], batch.response_lengths_B.tolist())
+    advantages, _ = ADVANTAGE_ESTIMATORS.get("grpo")(AdvantageInputs(rewards * mask, mask, torch.tensor([0, 0, 1])))
+    batch.response_tensors.update(advantages=advantages * mask, ref_logprobs=-torch.rand(3, 8, generator=generator) * mask)
+    logprobs = (-torch.rand(3, 8, generator=generator)).requires_grad_()
+    entropy = torch.rand(3, 8, generator=generator).requires_grad_()
+    config = ActorConfig(use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01)
+    batch.response_tensors["old_logprobs"] = logprobs.detach().clone()
+    loss, _ = actor_loss(config, max_response_length=8)({"logprobs": logprobs, "entropy": entropy}, batch,
+                                                        LossNormalizer(batch.num_loss_tokens, len(batch)))
+    loss.backward()
+    environment = mask == 0
+    assert torch.equal(logprobs.grad[environment], torch.zeros(int(environment.sum())))
+    assert torch.equal(entropy.grad[environment], torch.zeros(int(environment.sum())))
+    assert (entropy.grad[mask > 0] != 0).all()
+    # Model tokens: at ratio 1 the policy-gradient term is -A / (model tokens), plus the KL term's.
+    kl_grad = torch.func.grad(lambda lp: (KL_ESTIMATORS.get(config.kl_loss_type)(lp, batch.response_tensors[
+        "ref_logprobs"]) * mask).sum())(logprobs.detach()) * 0.1
+    expected = (-batch.response_tensors["advantages"] * mask + kl_grad) / 11
+    torch.testing.assert_close(logprobs.grad[mask > 0], expected[mask > 0], rtol=1e-6, atol=1e-7)
+    assert torch.equal(batch.response_mask_BR, mask) and batch.num_loss_tokens == 11

@@ -1,0 +1,70 @@
+"""The token pieces of a multi-turn trajectory, cut from the model's own chat template.
+
+A trajectory is kept as token ids, token-in, token-out: the model's tokens exactly as sampled, and
+between its turns the tokens of what the environment said, never a re-tokenization of decoded text.
+Each environment turn is rendered by the chat template (with the environment's `tools`) as the
+difference of two renderings of a probe conversation that ends with an assistant turn:
+
+    observation = closing + render(probe + observation messages, generation prompt)[len(render(probe)):]
+
+where `closing` is what the template writes after an assistant message's content (`<|im_end|>\\n` for
+Qwen's ChatML). The model ends its turn by sampling the closing's first token (its end-of-turn token,
+a stop token of multi-turn generation); the rest of the closing and the next turn's header follow
+as environment tokens. So the trajectory, plus the rest of the last turn's closing, is exactly the
+template's rendering of its messages (tests/unit/agent/test_rendering.py), except where:
+- the model stopped with another stop token (EOS) or ran out of budget: its tokens are kept, and the
+  closing follows in full (the template would have no EOS there);
+- the model's tokens are not the tokenizer's own encoding of their text (BPE can sample a
+  non-canonical split): they are kept, the log-probs belong to them;
+- the template rewrites earlier turns (Qwen3 drops the <think> of past assistant turns): the trajectory
+  keeps what the model saw when it wrote each turn.
+"""
+
+from __future__ import annotations
+
+SENTINEL = "\x1fassistant turn\x1f"
+"""Content of the probe's assistant turn: marks where the template's closing of an assistant turn begins."""
+PROBE = [{"role": "user", "content": "?"}, {"role": "assistant", "content": SENTINEL}]
+
+
+class ChatRenderer:
+    """Renders openings and observations of conversations using `tools` as token ids."""
+
+    def __init__(self, tokenizer, tools: list[dict]):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("rollout.multi_turn needs a tokenizer with a chat template (model.path's has none)")
+        self.tokenizer, self.tools = tokenizer, tools or None
+        self.probe_text = self._text(PROBE)
+        self.closing = self.probe_text[self.probe_text.index(SENTINEL) + len(SENTINEL):]
+        closing_ids = self._ids(self.closing)
+        if not closing_ids:
+            raise ValueError("the chat template writes nothing after an assistant turn: no end-of-turn token to "
+                             "stop on")
+        self.end_of_turn_id = closing_ids[0]
+        """The token that ends a model turn: the first token of the template's closing."""
+
+    def _text(self, messages: list[dict], generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
+                                                  add_generation_prompt=generation_prompt)
+
+    def _ids(self, text: str) -> list[int]:
+        # The template writes its own special tokens (BOS included): the tokenizer must add none.
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def opening(self, messages: list[dict]) -> list[int]:
+        """The prompt of a trajectory: its opening messages and the first assistant header."""
+        return self._ids(self._text(messages, generation_prompt=True))
+
+    def observation(self, messages: list[dict], turn_ids: list[int]) -> list[int]:
+        """What follows the model's turn `turn_ids`: the rest of its closing, `messages` (tool results),
+        and the next assistant header."""
+        after = self._text(PROBE + messages, generation_prompt=True)
+        if not after.startswith(self.probe_text):
+            raise ValueError("the chat template renders earlier turns differently once tool messages follow; "
+                             "multi-turn rollouts need a template that only appends")
+        ids = self._ids(self.closing + after[len(self.probe_text):])
+        return ids[1:] if turn_ids and turn_ids[-1] == self.end_of_turn_id else ids
+
+    def decode(self, turn_ids: list[int]) -> str:
+        """The text of a model turn, as the environment reads it (special tokens dropped)."""
+        return self.tokenizer.decode(turn_ids, skip_special_tokens=True)

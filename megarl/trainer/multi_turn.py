@@ -1,0 +1,123 @@
+"""Multi-turn rollouts across the colocated engines: `collect_rollouts`'s scheme, one trajectory per sample.
+
+The replicas split the step's prompts into the same blocks as single-turn generation, and each
+replica runs its block's trajectories turn by turn (`megarl.agent.trajectories`). The replica's
+first rank alone holds the environments (one per trajectory), as it alone scores: tools run once per
+trajectory, and its TP peers receive each turn's observation tokens in one broadcast over the
+replica. The openings (each trajectory's first messages rendered with its environment's tools, or
+the sample's own prompt when `reset` returns none) are what every later phase takes as the
+sequence's prompt, so they are gathered onto every rank once.
+
+An environment that returns a reward when it ends a trajectory gives its score; the reward function
+scores the last assistant turn of the others. Every rank then learns each trajectory's
+score, length, finish reason and counts (turns, tool calls, tool errors) from `share_scores`, and the
+responses with their loss masks stay on their replica until `move_responses`, as single-turn ones.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from typing import Callable
+
+import torch.distributed as dist
+
+from megarl.agent.environment import Environment
+from megarl.agent.rendering import ChatRenderer
+from megarl.agent.trajectories import Trajectory, TurnLimits, run_turns
+from megarl.data.dataset import Prompt
+from megarl.rewards.manager import RewardManager, RewardResult, ScoringItem
+from megarl.rollout.base import RolloutEngine, RolloutOutput, Sampling
+from megarl.trainer.rollouts import Rollouts, share_scores, unfilled_rollouts
+
+TRAJECTORY_STATS = ("turns", "tool_calls", "tool_errors")
+
+
+class MultiTurnRollouts:
+    """Collects multi-turn rollouts; built once on every rank (it creates the replicas' process groups)."""
+
+    def __init__(self, environment_for: Callable[[Prompt], Environment], tokenizer, engine_tp: int, limits: TurnLimits,
+                 max_prompt_length: int):
+        self.environment_for, self.tokenizer, self.engine_tp = environment_for, tokenizer, engine_tp
+        self.limits, self.max_prompt_length = limits, max_prompt_length
+        self.end_of_turn_id = ChatRenderer(tokenizer, []).end_of_turn_id
+        self.renderers: dict[str, ChatRenderer] = {}
+        rank, self.replica_group = dist.get_rank(), None
+        self.leader = rank - rank % engine_tp
+        if engine_tp > 1:  # new_group is collective: every rank creates every replica's group
+            for first in range(0, dist.get_world_size(), engine_tp):
+                group = dist.new_group(list(range(first, first + engine_tp)))
+                if first == self.leader:
+                    self.replica_group = group
+
+    def _renderer(self, tools: list[dict]) -> ChatRenderer:
+        key = json.dumps(tools, sort_keys=True)
+        if key not in self.renderers:
+            self.renderers[key] = ChatRenderer(self.tokenizer, tools)
+        return self.renderers[key]
+
+    def _share(self, observations: list | None) -> list:
+        """The leader's observations on every rank of the replica."""
+        if self.replica_group is None:
+            return observations
+        box = [observations]
+        dist.broadcast_object_list(box, src=self.leader, group=self.replica_group)
+        return box[0]
+
+    def collect(self, prompts: list[Prompt], engine: RolloutEngine, sampling: Sampling,
+                rewards: RewardManager) -> Rollouts:
+        """`sampling.n` trajectories per prompt, generated on the engine replicas and scored. Every rank
+        returns every trajectory's scores and opening; the responses are held by their replica's ranks."""
+        n, is_leader = sampling.n, dist.get_rank() == self.leader
+        rollouts, (start, stop) = unfilled_rollouts(prompts, n, self.engine_tp)
+        mine = range(start * n, stop * n)
+        seats, openings = None, {}
+        if is_leader:
+            seats = []
+            for i in mine:
+                prompt, environment = rollouts.prompts[i], self.environment_for(rollouts.prompts[i])
+                messages, renderer = environment.reset(prompt), self._renderer(environment.tools)
+                seats.append((environment, renderer))
+                openings[i] = (renderer.opening(messages) if messages else prompt.prompt_ids, messages)
+                if len(openings[i][0]) > self.max_prompt_length:
+                    raise ValueError(f"the environment's opening of prompt {prompt.index} has {len(openings[i][0])} "
+                                     f"tokens, over data.max_prompt_length={self.max_prompt_length}")
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, {i: ids for i, (ids, _) in openings.items()})
+        opening_ids = {i: ids for part in everyone for i, ids in part.items()}
+        rollouts.prompts = [replace(p, prompt_ids=opening_ids[i]) for i, p in enumerate(rollouts.prompts)]
+        trajectories = [Trajectory(i, opening_ids[i], messages=list(openings[i][1]) if is_leader else [])
+                        for i in mine]
+        stop_ids = tuple(sorted({*sampling.stop_token_ids, self.end_of_turn_id}))
+        run_turns(trajectories, engine, replace(sampling, stop_token_ids=stop_ids), self.limits, seats, self._share)
+        rollouts.loss_masks = [None] * len(rollouts)
+        rollouts.messages = [None] * len(rollouts)
+        for t in trajectories:
+            rollouts.response_ids[t.index] = t.response_ids
+            rollouts.rollout_logprobs[t.index] = t.logprobs
+            rollouts.loss_masks[t.index] = t.loss_mask
+        result, stats = None, {key: [] for key in TRAJECTORY_STATS}
+        if is_leader and trajectories:
+            result = _scores(trajectories, rollouts.prompts, rewards)
+            stats = {"turns": [t.num_turns for t in trajectories],
+                     "tool_calls": [t.num_tool_calls for t in trajectories],
+                     "tool_errors": [t.num_tool_errors for t in trajectories]}
+            for t in trajectories:
+                rollouts.messages[t.index] = t.messages
+        output = RolloutOutput(response_ids=[t.response_ids for t in trajectories],
+                               finish_reasons=["length" if t.truncated else "stop" for t in trajectories])
+        share_scores(rollouts, output, result, start * n, stats)
+        return rollouts
+
+
+def _scores(trajectories: list[Trajectory], prompts: list[Prompt], rewards: RewardManager) -> RewardResult:
+    """The environment's reward where it gave one, else the reward function's score of the last turn."""
+    unrewarded = [t for t in trajectories if t.reward is None]
+    result = rewards.score([ScoringItem(prompts[t.index].data_source, t.final_text, prompts[t.index].ground_truth,
+                                        prompts[t.index].extra_info) for t in unrewarded])
+    scored = {t.index: k for k, t in enumerate(unrewarded)}
+    return RewardResult([t.reward if t.reward is not None else result.scores[scored[t.index]] for t in trajectories],
+                        {key: [values[scored[t.index]] if t.index in scored else math.nan for t in trajectories]
+                         for key, values in result.extra.items()},
+                        result.num_errors, result.num_timeouts, result.first_error)

@@ -1,0 +1,47 @@
+"""A trajectory assembled from the renderer's pieces (opening, model turns as sampled, observations) is
+the chat template's own rendering of the same messages, token for token, with and without a BOS token;
+where the model stops on EOS instead of the end-of-turn token, its EOS stays and the closing follows."""
+
+from __future__ import annotations
+
+import pytest
+
+import make_tiny_model
+from megarl.agent.rendering import ChatRenderer
+
+TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+OPENING = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 123*45?"}]
+FIRST = '<tool_call>{"name": "calculator", "arguments": {"expression": "123*45"}}</tool_call>'
+RESULTS = [{"role": "tool", "content": "5535"}, {"role": "tool", "content": "error: none"}]
+LAST = "123*45 = 5535"
+
+
+@pytest.mark.parametrize("bos", [False, True])
+def test_trajectory_equals_the_templates_rendering(bos):
+    tokenizer = make_tiny_model.make_tokenizer(bos)
+    renderer = ChatRenderer(tokenizer, TOOLS)
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert renderer.end_of_turn_id == end_of_turn
+
+    def sampled(text):  # what a model that ends its turn properly samples
+        return tokenizer(text, add_special_tokens=False)["input_ids"] + [end_of_turn]
+
+    first, last = sampled(FIRST), sampled(LAST)
+    trajectory = renderer.opening(OPENING) + first + renderer.observation(RESULTS, first) + last
+    messages = OPENING + [{"role": "assistant", "content": FIRST}, *RESULTS, {"role": "assistant", "content": LAST}]
+    rendered = tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False)
+    # The template closes the last turn with "<|im_end|>\n"; the trajectory ends at the model's stop token.
+    assert rendered.endswith("<|im_end|>\n")
+    assert trajectory + tokenizer("\n", add_special_tokens=False)["input_ids"] == tokenizer(
+        rendered, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(trajectory).startswith("<|bos|>" if bos else "<|im_start|>system\nBe brief.\nTools: calc")
+
+
+def test_a_turn_stopped_by_eos_keeps_it_and_gets_the_whole_closing():
+    tokenizer = make_tiny_model.make_tokenizer()
+    renderer = ChatRenderer(tokenizer, TOOLS)
+    turn = tokenizer(FIRST, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    observation = renderer.observation(RESULTS[:1], turn)
+    assert tokenizer.decode(turn[-1:] + observation) == (
+        "<|endoftext|><|im_end|>\n<|im_start|>user\n<tool_response>\n5535\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n")
