@@ -1,7 +1,7 @@
 """What answers the model's turns in a multi-turn rollout: the `Environment` interface, the default
 `ToolEnvironment`, and how the run picks one.
 
-The turn loop (`megarl.agent` loop) calls, for each trajectory:
+The turn loop (`megarl.agent.trajectories`) calls, for each trajectory:
 
     env = make_environment(sample)          # make_environment = load_environment(config.rollout)
     opening = env.reset(sample)             # chat messages that open the trajectory
@@ -9,9 +9,10 @@ The turn loop (`megarl.agent` loop) calls, for each trajectory:
         ... the model writes a turn ...
         observation = env.step(turn_text)   # messages to append, done, the environment's reward
 
-An environment is constructed with the run's `Toolbox` (one that uses no tools ignores it). The final
-reward may come from the environment (`Observation.reward` when done), the reward function, or both:
-the loop combines them. Environments never import the engine or the trainer.
+An environment is constructed with the run's `Toolbox` (one that uses no tools ignores it). A
+trajectory's reward is its environment's (`Observation.reward` when done) where it gives one, else the
+reward function's score of the last assistant turn (`megarl.trainer.multi_turn`). Environments never
+import the engine or the trainer.
 
 Which environment: `rollout.multi_turn.environment=path/to/file.py:Class` for every sample, else the
 one registered in ENVIRONMENTS under the sample's data_source, else `ToolEnvironment`.

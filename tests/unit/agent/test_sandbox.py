@@ -22,7 +22,7 @@ from megarl.agent.tools import load_tools
 from megarl.config.schema import MultiTurnConfig, RolloutConfig, SandboxConfig
 from megarl.data.dataset import Prompt
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TIMEOUT_SECONDS = 10.0  # wall clock: far above the CPU limit, so a loaded machine still hits the CPU limit first
 SHORT_TIMEOUT_SECONDS = 0.5  # for code that sleeps, which no CPU limit stops
 LIMITS = dict(cpu_seconds=1, memory_mib=256, max_processes=8, max_file_mib=1)

@@ -13,7 +13,7 @@ from megarl.agent.environment import ENVIRONMENTS, Observation, ToolEnvironment,
 from megarl.config.schema import MultiTurnConfig, RolloutConfig
 from megarl.data.dataset import Prompt
 
-GUESS_NUMBER = Path(__file__).resolve().parents[2] / "examples" / "environments" / "guess_number.py"
+GUESS_NUMBER = Path(__file__).resolve().parents[3] / "examples" / "environments" / "guess_number.py"
 
 
 @ENVIRONMENTS.register("test_agent_echo")
