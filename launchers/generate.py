@@ -34,8 +34,6 @@ quiet_third_party_logs()  # before the libraries are imported: some warn or log 
 import torch.distributed as dist  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from megarl.agent.environment import load_environment  # noqa: E402
-from megarl.agent.trajectories import TurnLimits  # noqa: E402
 from megarl.checkpoint.model_loading import load_model, model_problem  # noqa: E402
 from megarl.config.schema import MultiTurnConfig, RolloutConfig  # noqa: E402
 from megarl.data.dataset import load_rows, write_rows  # noqa: E402
@@ -183,10 +181,10 @@ def main(argv: list[str]) -> None:
                         seed=derive_seed(args.seed, "validation"))  # the trainer's validation stream
     rewards = RewardManager(load_scoring_function(args.reward_function, "--reward-function"))
     if args.multi_turn:
-        turns = MultiTurnConfig(enable=True, tools=args.tools, environment=args.environment, max_turns=args.max_turns)
-        collector = MultiTurnRollouts(load_environment(RolloutConfig(multi_turn=turns)), tokenizer, args.engine_tp,
-                                      TurnLimits(args.max_turns, args.max_response_length, args.max_tokens_per_turn),
-                                      args.max_prompt_length)
+        turns = MultiTurnConfig(enable=True, tools=args.tools, environment=args.environment, max_turns=args.max_turns,
+                                max_tokens_per_turn=args.max_tokens_per_turn)
+        collector = MultiTurnRollouts.from_config(RolloutConfig(tp=args.engine_tp, multi_turn=turns), tokenizer,
+                                                  args.max_prompt_length, args.max_response_length)
         rollouts = collector.collect(prompts, engine, sampling, rewards)
         held = [None] * dist.get_world_size()  # each replica's first rank holds its trajectories' messages
         dist.all_gather_object(held, {i: m for i, m in enumerate(rollouts.messages) if m is not None})

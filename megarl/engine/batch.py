@@ -111,9 +111,7 @@ class SequenceBatch:
     @property
     def num_loss_tokens(self) -> int:
         """The model's response tokens: the count token-mean losses divide by."""
-        if self.loss_mask_BR is not None:
-            return int(self.loss_mask_BR.sum())
-        return int(self.response_lengths_B.sum())
+        return int(self.response_mask_BR.sum())
 
     def response_positions_BR(self) -> torch.Tensor:
         """Positions inside each sequence whose outputs predict its response tokens. Padded columns

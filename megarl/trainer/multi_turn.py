@@ -23,9 +23,10 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from megarl.agent.environment import Environment
+from megarl.agent.environment import Environment, load_environment
 from megarl.agent.rendering import ChatRenderer
 from megarl.agent.trajectories import Trajectory, TurnLimits, run_turns
+from megarl.config.schema import RolloutConfig
 from megarl.data.dataset import Prompt
 from megarl.rewards.manager import RewardManager, RewardResult, ScoringItem
 from megarl.rollout.base import RolloutEngine, RolloutOutput, Sampling
@@ -50,6 +51,14 @@ class MultiTurnRollouts:
                 group = dist.new_group(list(range(first, first + engine_tp)))
                 if first == self.leader:
                     self.replica_group = group
+
+    @classmethod
+    def from_config(cls, rollout: RolloutConfig, tokenizer, max_prompt_length: int,
+                    max_response_length: int) -> MultiTurnRollouts:
+        """The collector `rollout.multi_turn` describes, on engines of `rollout.tp` ranks."""
+        turns = rollout.multi_turn
+        limits = TurnLimits(turns.max_turns, max_response_length, turns.max_tokens_per_turn)
+        return cls(load_environment(rollout), tokenizer, rollout.tp, limits, max_prompt_length)
 
     def _renderer(self, tools: list[dict]) -> ChatRenderer:
         key = json.dumps(tools, sort_keys=True)

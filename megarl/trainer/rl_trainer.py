@@ -24,8 +24,6 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from megarl.agent.environment import load_environment
-from megarl.agent.trajectories import TurnLimits
 from megarl.algorithms import (
     ADVANTAGE_ESTIMATORS,
     AdaptiveKLController,
@@ -85,12 +83,9 @@ class RLTrainer:
         self.sampler = ResumableSampler(len(self.train_data), data.train_batch_size, config.trainer.seed,
                                         shuffle=data.shuffle)
         self.rewards = RewardManager(load_scoring_function(config.reward.function), config.reward.timeout_seconds)
-        self.multi_turn = None
-        if config.rollout.multi_turn.enable:
-            turns = config.rollout.multi_turn
-            limits = TurnLimits(turns.max_turns, data.max_response_length, turns.max_tokens_per_turn)
-            self.multi_turn = MultiTurnRollouts(load_environment(config.rollout), self.tokenizer, config.rollout.tp,
-                                                limits, data.max_prompt_length)
+        self.multi_turn = (MultiTurnRollouts.from_config(config.rollout, self.tokenizer, data.max_prompt_length,
+                                                         data.max_response_length)
+                           if config.rollout.multi_turn.enable else None)
         trainer = config.trainer
         self.checkpointer = Checkpointer(Path(trainer.checkpoint_dir) / trainer.experiment_name, config.model.path,
                                          self.run_dir / "config.yaml", trainer.max_ckpt_to_keep, trainer.async_save)
