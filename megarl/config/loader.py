@@ -24,6 +24,7 @@ from megarl.config.schema import (
     LOGGERS,
     LR_DECAY_STYLES,
     OPTIMIZERS,
+    PLACEMENTS,
     PRIME_UPDATES,
     RESUME_MODES,
     EngineConfig,
@@ -108,6 +109,33 @@ def validate(config: RunConfig) -> None:
     _check_choice("trainer.resume_mode", config.trainer.resume_mode, RESUME_MODES)
     if config.trainer.resume_mode == "path" and not config.trainer.resume_path:
         raise ConfigError("config key 'trainer.resume_path' is required when trainer.resume_mode=path")
+    _check_placement(config)
+
+
+def _check_placement(config: RunConfig) -> None:
+    """Split placement's sizes, and the features it does not run (each named by its key)."""
+    trainer, rollout = config.trainer, config.rollout
+    _check_choice("trainer.placement", trainer.placement, PLACEMENTS)
+    _check_at_least("trainer.max_staleness", trainer.max_staleness, 0)
+    if trainer.placement == "colocated":
+        for key, value in (("rollout.num_ranks", rollout.num_ranks), ("trainer.max_staleness", trainer.max_staleness)):
+            if value:
+                raise ConfigError(f"config key '{key}' = {value} needs trainer.placement=split; allowed: 0")
+        return
+    _check_at_least("rollout.num_ranks", rollout.num_ranks, 1)
+    if rollout.num_ranks % rollout.tp:
+        raise ConfigError(f"config key 'rollout.num_ranks' = {rollout.num_ranks} is not a multiple of rollout.tp = "
+                          f"{rollout.tp}; allowed: whole engine replicas")
+    unsupported = (
+        ("rollout.multi_turn.enable", rollout.multi_turn.enable),
+        ("algorithm.filter_groups", config.algorithm.filter_groups),
+        ("trainer.async_save", trainer.async_save),
+        ("actor.router_replay", config.actor.router_replay),
+    )
+    for key, value in unsupported:
+        if value:
+            raise ConfigError(f"config key '{key}' = {value} is not supported with trainer.placement=split; "
+                              "allowed: false")
 
 
 def _check_multi_turn(multi_turn: MultiTurnConfig) -> None:
@@ -137,7 +165,7 @@ def validate_layout(config: RunConfig, world_size: int) -> None:
             f"world size {world_size} is not divisible by actor.etp * actor.ep * actor.pp = {expert_grid}; "
             f"allowed: world sizes that are multiples of {expert_grid} (actor.etp=0 means actor.tp)"
         )
-    if world_size % config.rollout.tp != 0:
+    if config.trainer.placement == "colocated" and world_size % config.rollout.tp != 0:
         raise ConfigError(
             f"config key 'rollout.tp' = {config.rollout.tp} does not divide world size {world_size}; "
             f"allowed: {_divisors(world_size)}"

@@ -17,6 +17,7 @@ OPTIMIZERS = ("adam", "sgd")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 KL_CONTROLLERS = ("fixed", "adaptive")
 RESUME_MODES = ("auto", "disable", "path")
+PLACEMENTS = ("colocated", "split")
 LOGGERS = ("console", "mlflow")
 PRIME_UPDATES = ("before", "after")
 
@@ -374,6 +375,10 @@ class RolloutConfig:
     bucket_mib: int = 64
     """Resharding bucket: bytes in flight per rank beyond its own shards."""
 
+    num_ranks: int = 0
+    """With trainer.placement=split: the last this many ranks of the world host the rollout engines
+    (replicas of `tp` ranks) and nothing else; the others train."""
+
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn (agentic) rollouts: tools, environments, sandbox."""
 
@@ -496,6 +501,14 @@ class TrainerConfig:
 
     max_ckpt_to_keep: int = 0
     """Keep only this many newest complete checkpoints (0: keep all)."""
+
+    placement: str = "colocated"
+    """One of PLACEMENTS: colocated (every rank trains and generates, in turn) or split (rollout.num_ranks
+    ranks generate while the others train)."""
+
+    max_staleness: int = 0
+    """Split placement: how many policy versions a trained-on sample may lag the trainer (0: synchronous,
+    1: one-step off-policy; k: the rollout ranks run up to k batches ahead)."""
 
 
 @dataclass

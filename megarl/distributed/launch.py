@@ -32,8 +32,11 @@ def init_process_group() -> None:
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     configure_process()
     device.select_local_device()
-    timeout = datetime.timedelta(minutes=float(os.environ.get("MEGARL_COLLECTIVE_TIMEOUT_MINUTES", "30")))
-    dist.init_process_group(backend=device.backend(), timeout=timeout)
+    dist.init_process_group(backend=device.backend(), timeout=collective_timeout())
+
+
+def collective_timeout() -> datetime.timedelta:
+    return datetime.timedelta(minutes=float(os.environ.get("MEGARL_COLLECTIVE_TIMEOUT_MINUTES", "30")))
 
 
 def _free_port() -> int:

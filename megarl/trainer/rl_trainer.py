@@ -38,7 +38,6 @@ from megarl.data.sampler import ResumableSampler
 from megarl.engine.megatron_engine import MegatronEngine
 from megarl.rewards import RewardManager, load_scoring_function, token_level_scores
 from megarl.rollout import Sampling
-from megarl.seeding import derive_seed
 from megarl.tracking import Tracker
 from megarl.trainer.contract import check_batch
 from megarl.trainer.curves import plot_curves
@@ -55,9 +54,10 @@ from megarl.trainer.metrics import (
 )
 from megarl.trainer.policy import EngineSettings, RolloutPolicy
 from megarl.trainer.prime import ImplicitPRM
-from megarl.trainer.rollouts import Rollouts, collect_rollouts
+from megarl.trainer.rollouts import Rollouts, collect_rollouts, rollout_sampling
 from megarl.trainer.scores import first_groups, informative, reward_model_scores, sequence_rewards
 from megarl.trainer.shares import sum_over_shares, take_share
+from megarl.trainer.split import SplitPolicy
 from megarl.trainer.startup import Run
 from megarl.trainer.teacher import distillation_stats, teacher_engine_config
 from megarl.trainer.timing import PhaseTimer
@@ -68,7 +68,7 @@ class RLTrainer:
     def __init__(self, run: Run):
         """Inputs are checked first (data, reward function, the checkpoint to resume): a mistake in
         them fails in seconds, before the models and the rollout engine are built."""
-        self.config, self.layout, self.run_dir = run.config, run.layout, run.run_dir
+        self.config, self.layout, self.run_dir, self.world = run.config, run.layout, run.run_dir, run.world
         config = self.config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -106,19 +106,22 @@ class RLTrainer:
         self.reward_model = None
         if config.reward.reward_model_path:
             self.reward_model = self._engine(EngineConfig(), trainable=False, path=config.reward.reward_model_path)
-        self.policy = self._rollout_policy()
-        self.rollout = self.policy.engine
+        self.policy = (SplitPolicy(self.world, self.actor.module, self.actor.arch, self.layout, config)
+                       if self.world is not None else self._rollout_policy())
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = (AdaptiveKLController(kl.coef, kl.target_kl, kl.horizon) if kl.type == "adaptive"
                         else FixedKLController(kl.coef))
-        self.start_step, run_id = 1, None
+        self.start_step, run_id, queue = 1, None, []
         if resume_from is not None:
             state = self.checkpointer.load(resume_from, self._trainable())
             self.sampler.load_state_dict(state["sampler"])
             self.kl_ctrl.value = state["kl_coef"]
             self.start_step, run_id = state["step"] + 1, state["mlflow_run_id"]
+            queue = state.get("rollout_queue", [])
             if self.layout.rank == 0:
                 print(f"resumed from {resume_from} (step {state['step']})", flush=True)
+        if self.world is not None:
+            self.policy.start(self.start_step, self.sampler.state_dict(), queue)
         self.tracker = Tracker(trainer.loggers, self.run_dir, trainer.experiment_name, trainer.mlflow_tracking_uri,
                                config, is_writer=self.layout.rank == 0, log_freq=trainer.log_freq,
                                last_step=trainer.total_steps, run_id=run_id)
@@ -163,16 +166,7 @@ class RLTrainer:
                              weights_version=lambda: self.actor.weights_version)
 
     def _sampling(self, step: int, validation: bool, draw: int = 0) -> Sampling:
-        """Sampling of one engine call; `draw` numbers the calls of one step (DAPO's filter rounds)."""
-        rollout, seed = self.config.rollout, self.config.trainer.seed
-        stop = (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
-        if validation:
-            return Sampling(n=rollout.val_n, temperature=rollout.val_temperature, top_p=rollout.top_p,
-                            top_k=rollout.top_k, max_tokens=self.config.data.max_response_length,
-                            stop_token_ids=stop, seed=derive_seed(seed, "validation"))
-        return Sampling(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
-                        max_tokens=self.config.data.max_response_length, stop_token_ids=stop,
-                        seed=derive_seed(seed, "rollout", step=step, draw=draw))
+        return rollout_sampling(self.config, self.tokenizer.eos_token_id, step, validation, draw)
 
     # ---- the loop ---------------------------------------------------------------------------------
 
@@ -189,26 +183,34 @@ class RLTrainer:
                 last.update(self.validate(step))
             self.tracker.log(last, step)
             if trainer.save_freq and (step % trainer.save_freq == 0 or step == trainer.total_steps):
+                queue = {"rollout_queue": self.policy.queue()} if self.world is not None else {}
                 self.checkpointer.save(step, self._trainable(), {
                     "sampler": self.sampler.state_dict(), "kl_coef": self.kl_ctrl.value,
-                    "mlflow_run_id": self.tracker.run_id})
+                    "mlflow_run_id": self.tracker.run_id, **queue})
         self.checkpointer.wait()
         if self.layout.rank == 0:
             self.tracker.log_artifact(plot_curves(self.tracker.history, self.run_dir / "curves.png"))
             self.tracker.log_artifact(self.run_dir / "config.yaml")
         self.tracker.close()
-        self.rollout.shutdown()
+        if self.world is None:
+            self.policy.engine.shutdown()
         return last
 
     def step(self, step: int) -> dict[str, float]:
         timer = PhaseTimer(step)
-        sync = self.policy.enter_rollout(step, timer)
-        with timer("rollout"):
-            rollouts, rounds = self._generate_training_rollouts(step)
-            baseline_B = self._greedy_baseline(rollouts, step) if self.estimator.needs_greedy_baseline else None
-        self.policy.leave_rollout(timer)
-        local, share = take_share(rollouts, self.layout, self.config.rollout.tp,
-                                  self.config.actor.ppo_mini_batch_size, self.config.trainer.seed, step)
+        if self.world is not None:  # split placement: the rollout ranks generated the batch
+            self.policy.sync_to(step - 1, timer)
+            rollouts, generation = self.policy.receive(step, self.train_data, self.sampler.next_batch(), timer)
+            rounds, baseline_B, engine_tp = 1, None, None
+        else:
+            sync = self.policy.enter_rollout(step, timer)
+            with timer("rollout"):
+                rollouts, rounds = self._generate_training_rollouts(step)
+                baseline_B = self._greedy_baseline(rollouts, step) if self.estimator.needs_greedy_baseline else None
+            self.policy.leave_rollout(timer)
+            generation, engine_tp = sync_metrics(sync), self.config.rollout.tp
+        local, share = take_share(rollouts, self.layout, engine_tp, self.config.actor.ppo_mini_batch_size,
+                                  self.config.trainer.seed, step)
         group_ids_B, num_groups = share.group_ids_B, share.num_groups
         batch = local.to_batch(self.pad_token_id)
         self._check(batch, "rollout", ("rollout_logprobs",))
@@ -264,7 +266,7 @@ class RLTrainer:
         if self.config.algorithm.use_kl_in_reward:
             self.kl_ctrl.update(metrics["actor/reward_kl"], len(rollouts))
             metrics["actor/reward_kl_coef"] = self.kl_ctrl.value
-        return {**metrics, **run_metrics(rollouts, rounds), **sync_metrics(sync),
+        return {**metrics, **run_metrics(rollouts, rounds), **generation,
                 **update_metrics("actor", actor_history), **update_metrics("critic", critic_history),
                 **update_metrics("prime", prm_history), **timer.metrics()}
 
@@ -291,9 +293,9 @@ class RLTrainer:
         """Rollouts of `prompts` on the engine replicas (trajectories with `rollout.multi_turn`), scored;
         stops the run if no reward call succeeded."""
         if self.multi_turn is not None:
-            rollouts = self.multi_turn.collect(prompts, self.rollout, sampling, self.rewards)
+            rollouts = self.multi_turn.collect(prompts, self.policy.engine, sampling, self.rewards)
         else:
-            rollouts = collect_rollouts(prompts, self.rollout, sampling, self.config.rollout.tp, self.tokenizer,
+            rollouts = collect_rollouts(prompts, self.policy.engine, sampling, self.config.rollout.tp, self.tokenizer,
                                         self.rewards)
         rollouts.require_rewards()
         return rollouts
@@ -344,7 +346,10 @@ class RLTrainer:
     def validate(self, step: int) -> dict[str, float]:
         """Validation of the weights as they are now: synced first, because after a step the engine
         still holds the weights that step started from (a checkpoint of `step` holds the updated ones).
-        The engine keeps these weights asleep: the next step's rollout starts from them, unsynced."""
+        The engine keeps these weights asleep: the next step's rollout starts from them, unsynced.
+        Under split placement the rollout ranks validate, with the weights synced to them first."""
+        if self.world is not None:
+            return self.policy.validation(step)
         timer = PhaseTimer(step)
         self.policy.enter_rollout(step, timer)
         limit = self.config.data.max_val_samples or len(self.val_data)

@@ -24,10 +24,12 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
+from megarl.config.schema import RunConfig
 from megarl.data.dataset import Prompt
 from megarl.engine.batch import SequenceBatch, right_pad
 from megarl.rewards.manager import RewardFunctionError, RewardManager, RewardResult, ScoringItem
 from megarl.rollout.base import RolloutEngine, RolloutOutput, Sampling
+from megarl.seeding import derive_seed
 
 
 @dataclass
@@ -62,6 +64,9 @@ class Rollouts:
     elsewhere); empty for single-turn rollouts."""
     trajectory_stats: dict[str, list[float]] = field(default_factory=dict)
     """Multi-turn rollouts: per-trajectory counts (turns, tool calls, tool errors, model tokens) on every rank."""
+    policy_versions: list[int] = field(default_factory=list)
+    """Split placement: the policy version that generated each sequence (v: the weights after RL step v,
+    0 the initial ones); empty where the engine always holds the trainer's current weights (colocated)."""
 
     def __len__(self) -> int:
         return len(self.group_ids)
@@ -75,7 +80,8 @@ class Rollouts:
                        scores=pick(self.scores), score_extras={k: pick(v) for k, v in self.score_extras.items()},
                        loss_masks=pick(self.loss_masks) if self.loss_masks else [],
                        messages=pick(self.messages) if self.messages else [],
-                       trajectory_stats={k: pick(v) for k, v in self.trajectory_stats.items()})
+                       trajectory_stats={k: pick(v) for k, v in self.trajectory_stats.items()},
+                       policy_versions=pick(self.policy_versions) if self.policy_versions else [])
 
     def extend(self, other: Rollouts) -> None:
         self.score_extras = _aligned_extras([self, other])
@@ -95,6 +101,7 @@ class Rollouts:
         self.first_reward_failure = self.first_reward_failure or other.first_reward_failure
         self.loss_masks += other.loss_masks
         self.messages += other.messages
+        self.policy_versions += other.policy_versions
         self.trajectory_stats = {k: self.trajectory_stats.get(k, []) + v for k, v in other.trajectory_stats.items()}
 
     def require_rewards(self) -> None:
@@ -110,6 +117,20 @@ class Rollouts:
         return SequenceBatch.from_sequences([p.prompt_ids for p in self.prompts], self.response_ids, pad_token_id,
                                             {"rollout_logprobs": right_pad(self.rollout_logprobs, 0.0, torch.float32)},
                                             self.routed_experts or None, self.loss_masks or None)
+
+
+def rollout_sampling(config: RunConfig, eos_token_id: int | None, step: int, validation: bool,
+                     draw: int = 0) -> Sampling:
+    """Sampling of one engine call of a run; `draw` numbers the calls of one step (DAPO's filter rounds)."""
+    rollout, seed = config.rollout, config.trainer.seed
+    stop = (eos_token_id,) if eos_token_id is not None else ()
+    if validation:
+        return Sampling(n=rollout.val_n, temperature=rollout.val_temperature, top_p=rollout.top_p,
+                        top_k=rollout.top_k, max_tokens=config.data.max_response_length,
+                        stop_token_ids=stop, seed=derive_seed(seed, "validation"))
+    return Sampling(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+                    max_tokens=config.data.max_response_length, stop_token_ids=stop,
+                    seed=derive_seed(seed, "rollout", step=step, draw=draw))
 
 
 def collect_rollouts(prompts: list[Prompt], engine: RolloutEngine, sampling: Sampling, engine_tp: int,

@@ -29,9 +29,11 @@ class Share:
     """G, the step's number of groups."""
 
 
-def take_share(rollouts: Rollouts, layout: ParallelLayout, engine_tp: int, groups_per_mini_batch: int, seed: int,
-               step: int) -> tuple[Rollouts, Share]:
-    """This DP rank's part of the step's rollouts, its responses held here (collective: every rank calls)."""
+def take_share(rollouts: Rollouts, layout: ParallelLayout, engine_tp: int | None, groups_per_mini_batch: int,
+               seed: int, step: int) -> tuple[Rollouts, Share]:
+    """This DP rank's part of the step's rollouts, its responses held here (collective: every rank
+    calls). `engine_tp`: of the colocated engines holding the responses; None when every rank holds
+    every response already (split placement)."""
     groups = sorted(set(rollouts.group_ids))
     number = {group: k for k, group in enumerate(groups)}
     group_of = [number[group] for group in rollouts.group_ids]
@@ -43,9 +45,10 @@ def take_share(rollouts: Rollouts, layout: ParallelLayout, engine_tp: int, group
         raise RuntimeError(f"step {step}: {len(groups)} groups for {layout.dp} DP ranks; every DP rank needs a "
                            "group: raise algorithm.max_filter_rounds or data.train_batch_size")
     sequences = [[i for i, group in enumerate(group_of) if group in owned] for owned in map(set, owners)]
-    dp_rank_of = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
-    dist.all_gather(dp_rank_of, torch.tensor([layout.dp_rank]))
-    move_responses(rollouts, [sequences[int(dp_rank)] for dp_rank in dp_rank_of], engine_tp)
+    if engine_tp is not None:
+        dp_rank_of = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
+        dist.all_gather(dp_rank_of, torch.tensor([layout.dp_rank]))
+        move_responses(rollouts, [sequences[int(dp_rank)] for dp_rank in dp_rank_of], engine_tp)
     mine = sequences[layout.dp_rank]
     return rollouts.select(mine), Share(mine, torch.tensor([group_of[i] for i in mine]), len(groups))
 

@@ -20,14 +20,22 @@ from typing import NoReturn, Sequence
 
 from megarl.config import ConfigError, RunConfig, load_config, save_resolved, validate_batches, validate_layout
 from megarl.distributed import ParallelLayout, init_layout
+from megarl.distributed.split_world import SplitWorld, join_split_world
 from megarl.doctor import require
 
 
 @dataclass(frozen=True)
 class Run:
     config: RunConfig
-    layout: ParallelLayout
+    layout: ParallelLayout | None
+    """None on the rollout ranks of split placement, which train nothing."""
     run_dir: Path
+    world: SplitWorld | None = None
+    """Split placement's world (trainer and rollout ranks); None when colocated."""
+
+    @property
+    def is_rollout_rank(self) -> bool:
+        return self.world is not None and not self.world.is_trainer
 
     def save_config(self) -> None:
         """Rank 0 writes the resolved config into the run directory (once the run's inputs are valid)."""
@@ -43,7 +51,7 @@ def parse_config(argv: Sequence[str], rl: bool) -> RunConfig:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.tp=2 trainer.total_steps=5")
     args = parser.parse_args(argv)
     config = load_config(args.config, args.overrides)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = trainer_world_size(config, int(os.environ.get("WORLD_SIZE", "1")))
     validate_layout(config, world_size)
     validate_batches(config, world_size, rl)
     check_registered_names(config)
@@ -58,6 +66,17 @@ def parse_config(argv: Sequence[str], rl: bool) -> RunConfig:
         require_hf_directory("teacher.path", config.teacher.path)
         check_shared_tokenizer(config)
     return config
+
+
+def trainer_world_size(config: RunConfig, world_size: int) -> int:
+    """The ranks that train: all of them, or under split placement those before the rollout ranks."""
+    if config.trainer.placement == "colocated":
+        return world_size
+    rollout_ranks = config.rollout.num_ranks
+    if rollout_ranks >= world_size:
+        raise ConfigError(f"config key 'rollout.num_ranks' = {rollout_ranks} leaves no trainer rank in a world of "
+                          f"{world_size}; allowed: 1 .. {world_size - 1}")
+    return world_size - rollout_ranks
 
 
 def require_hf_directory(key: str, path: str) -> None:
@@ -97,6 +116,9 @@ def check_estimator_needs(config: RunConfig) -> None:
         raise ConfigError(f"config key 'algorithm.adv_estimator' = {name!r} needs a critic; set critic.enable=true "
                           "or choose an estimator without values (e.g. grpo)")
     teacher = config.teacher.path
+    if estimator.needs_greedy_baseline and config.trainer.placement == "split":
+        raise ConfigError(f"config key 'algorithm.adv_estimator' = {name!r} needs greedy rollouts beside the "
+                          "sampled ones, which trainer.placement=split does not make; allowed: colocated placement")
     if estimator.needs_teacher and not teacher:
         raise ConfigError(f"config key 'teacher.path' is empty: algorithm.adv_estimator={name!r} distills from a "
                           "teacher; expected a HuggingFace model directory")
@@ -106,11 +128,16 @@ def check_estimator_needs(config: RunConfig) -> None:
 
 
 def start_run(argv: Sequence[str], rl: bool) -> Run:
-    """Parse the config and join the torchrun world at the actor's layout."""
+    """Parse the config and join the torchrun world at the actor's layout (under split placement, the
+    trainer ranks' world; the rollout ranks join theirs and get no layout)."""
     config = parse_config(argv, rl)
+    run_dir = Path(config.trainer.output_dir) / config.trainer.experiment_name
+    world = join_split_world(config.rollout.num_ranks) if config.trainer.placement == "split" else None
+    if world is not None and not world.is_trainer:
+        return Run(config, None, run_dir, world)
     actor = config.actor
     layout = init_layout(tp=actor.tp, pp=actor.pp, cp=actor.cp, ep=actor.ep, etp=actor.etp, seed=config.trainer.seed)
-    return Run(config, layout, Path(config.trainer.output_dir) / config.trainer.experiment_name)
+    return Run(config, layout, run_dir, world)
 
 
 def exit_on_user_error(error: ValueError) -> NoReturn:

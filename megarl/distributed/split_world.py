@@ -1,0 +1,91 @@
+"""Split placement's processes: one torchrun world divided into trainer ranks and rollout ranks.
+
+    world = join_split_world(num_rollout_ranks)   # instead of init_process_group
+    world.is_trainer                              # ranks 0 .. T-1 train, T .. W-1 generate
+
+Each side gets a default process group of its own: the trainer ranks' world is the T trainer
+ranks, the rollout ranks' world the K = W - T rollout ranks. Everything written for one world
+runs unchanged on its side: megatron-core's groups and checkpoints over the trainer ranks, vLLM's
+external launcher (which builds its groups over the default world) over the rollout ranks. The
+two sides meet only through the *bridge*, a process group over all W ranks built directly from
+the rendezvous store (a backend object, not registered with torch's default world, so its
+collectives are the backend's own methods), and its subgroups (`bridge_group`).
+
+A trainer rank's rank in its own world equals its global rank (trainers come first); a rollout
+rank's equals its global rank minus T, and RANK/WORLD_SIZE in its environment are rewritten to
+its side's (vLLM's external launcher reads them).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megarl import device
+from megarl.distributed.launch import collective_timeout
+from megarl.distributed.process import configure_process
+
+
+@dataclass
+class SplitWorld:
+    rank: int
+    """Global rank, 0 .. W-1."""
+    num_trainer_ranks: int
+    num_rollout_ranks: int
+    store: dist.Store
+    bridge: dist.ProcessGroup
+    """Every rank of both sides; ranks are global ranks."""
+    _groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
+
+    @property
+    def is_trainer(self) -> bool:
+        return self.rank < self.num_trainer_ranks
+
+    @property
+    def first_rollout_rank(self) -> int:
+        return self.num_trainer_ranks
+
+    def bridge_group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
+        """A process group over `ranks` (global ranks, in this order); only its members call this.
+        Its ranks are positions in `ranks`."""
+        if ranks not in self._groups:
+            prefix = dist.PrefixStore("bridge/" + ",".join(map(str, ranks)) + "/", self.store)
+            self._groups[ranks] = _backend(prefix, ranks.index(self.rank), len(ranks))
+        return self._groups[ranks]
+
+    def broadcast_object(self, value, root: int):
+        """`value` of global rank `root` on every rank of the world (pickled; for small state only)."""
+        on = device.compute_device()
+        payload = pickle.dumps(value) if self.rank == root else b""
+        size = torch.tensor([len(payload)], dtype=torch.int64, device=on)
+        self.bridge.broadcast(size, root).wait()
+        data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(on) if self.rank == root
+                else torch.empty(int(size), dtype=torch.uint8, device=on))
+        self.bridge.broadcast(data, root).wait()
+        return value if self.rank == root else pickle.loads(data.cpu().numpy().tobytes())
+
+
+def join_split_world(num_rollout_ranks: int) -> SplitWorld:
+    """Join torchrun's world as a trainer or a rollout rank (the last `num_rollout_ranks`)."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    configure_process()
+    device.select_local_device()
+    store, rank, world_size = next(dist.rendezvous("env://"))
+    num_trainers = world_size - num_rollout_ranks
+    is_trainer = rank < num_trainers
+    side_rank, side_size = (rank, num_trainers) if is_trainer else (rank - num_trainers, num_rollout_ranks)
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(side_rank), str(side_size)
+    dist.init_process_group(backend=device.backend(), timeout=collective_timeout(), rank=side_rank, world_size=side_size,
+                            store=dist.PrefixStore("trainer/" if is_trainer else "rollout/", store))
+    bridge = _backend(dist.PrefixStore("bridge/", store), rank, world_size)
+    return SplitWorld(rank, num_trainers, num_rollout_ranks, store, bridge)
+
+
+def _backend(store: dist.Store, rank: int, size: int) -> dist.ProcessGroup:
+    if device.backend() == "nccl":
+        return dist.ProcessGroupNCCL(store, rank, size)
+    return dist.ProcessGroupGloo(store, rank, size, collective_timeout())

@@ -1,0 +1,219 @@
+"""Split placement: rollout ranks generate while trainer ranks train, at most `max_staleness` versions behind.
+
+Policy version v is the weights after RL step v (0: the initial weights). Step s trains on batch
+B_s, made of the sampler's s-th batch of prompts. The two sides run mirrored loops whose bridge
+operations (`megarl.distributed.split_world`) meet in one order:
+
+    trainer, step s                          rollout ranks, step s
+    sync to version s-1 (if not held)        sync to version s-1 (if not held)
+                                             generate B_s, unless already queued
+    receive B_s                              send B_s
+    train on B_s                             generate ahead, up to B_(s+k), with version s-1
+    [validate: sync to s, receive metrics]   [sync to s, validate, send metrics]
+    [save: receive the queue, checkpoint]    [send the queue]
+
+so B_j is generated with version max(0, j-1-k) or newer, and no trained-on sample is more than k
+versions old (k=0: synchronous, the colocated run's batches; k=1: one-step off-policy). Syncs
+happen where both sides know the engine lacks the wanted version, so they always pair up.
+
+A checkpoint of step s holds the batches generated but not yet trained on (the queue, at most k,
+with their prompts' dataset indices and versions): they cannot be regenerated, since the weights
+that made them are gone. On resume the rollout ranks take back the queue and advance their sampler
+past it; the trainer's sampler, saved at step s, checks each received batch's prompts, so a prompt
+lost or repeated across a resume stops the run with the step named.
+
+Batches travel whole from the first rollout rank to every rank (one broadcast; the trainer ranks
+then keep their DP share): O(batch) bytes per trainer rank, not O(share).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import time
+
+import torch
+from transformers import AutoTokenizer
+
+from megarl.config.schema import RunConfig
+from megarl.data.prompt_dataset import PromptDataset
+from megarl.data.sampler import ResumableSampler
+from megarl.distributed.layout import ParallelLayout
+from megarl.distributed.split_world import SplitWorld
+from megarl.models.architecture import Architecture
+from megarl.resharding.cross_group import CrossGroupSync
+from megarl.resharding.executor import SyncStats
+from megarl.rewards import RewardFunctionError, RewardManager, load_scoring_function
+from megarl.rollout import ROLLOUT_BACKENDS
+from megarl.trainer.metrics import sync_metrics
+from megarl.trainer.rollouts import Rollouts, collect_rollouts, move_responses, rollout_sampling
+from megarl.trainer.timing import PhaseTimer
+from megarl.trainer.validation import validation_metrics
+
+class SplitPolicy:
+    """The trainer side: weights out to the rollout ranks, batches and validations in."""
+
+    def __init__(self, world: SplitWorld, module: torch.nn.Module, arch: Architecture, layout: ParallelLayout,
+                 config: RunConfig):
+        self.world, self.config = world, config
+        self.sync = CrossGroupSync(world, config.rollout.tp, config.rollout.bucket_mib << 20,
+                                   trainer=(module, arch, layout))
+        self.engine_version: int | None = None
+
+    def start(self, start_step: int, sampler_state: dict, queue: list[dict]) -> None:
+        """Tell the rollout ranks where the run starts: the trainer's sampler and the saved queue."""
+        self.world.broadcast_object((start_step, sampler_state, queue), root=0)
+
+    def sync_to(self, version: int, timer: PhaseTimer | None = None) -> None:
+        """The engines hold `version` afterwards (a sync runs unless they already did)."""
+        if version != self.engine_version:
+            with timer("reshard") if timer is not None else contextlib.nullcontext():
+                self.sync.sync(version)
+            self.engine_version = version
+
+    def receive(self, step: int, dataset: PromptDataset, expected_indices: list[int], timer: PhaseTimer
+                ) -> tuple[Rollouts, dict[str, float]]:
+        """B_step, whose prompts must be `expected_indices` (the trainer's sampler), and the metrics of
+        its making: staleness, the rollout ranks' generation and idle time, the sync before it."""
+        with timer("wait_for_rollout"):
+            payload = self.world.broadcast_object(None, root=self.world.first_rollout_rank)
+        if payload["error"] is not None:
+            raise RewardFunctionError(payload["error"])
+        if payload["step"] != step or payload["indices"] != expected_indices:
+            raise RuntimeError(f"step {step}: the rollout ranks generated batch {payload['step']} for prompts "
+                               f"{payload['indices'][:8]}..., the trainer's sampler is at prompts "
+                               f"{expected_indices[:8]}...: a prompt would be lost or repeated")
+        staleness = step - 1 - payload["version"]
+        metrics = {"rollout/staleness": float(staleness), "rollout/policy_version": float(payload["version"]),
+                   "timing/rollout_generate": payload["generate_seconds"],
+                   "timing/rollout_idle": payload["idle_seconds"]}
+        if payload["sync"] is not None:
+            metrics.update(sync_metrics(SyncStats(**payload["sync"])))
+        return rollouts_from_payload(payload, dataset, self.config.rollout.n), metrics
+
+    def validation(self, step: int) -> dict[str, float]:
+        self.sync_to(step)
+        return self.world.broadcast_object(None, root=self.world.first_rollout_rank)
+
+    def queue(self) -> list[dict]:
+        """The batches generated but not yet trained on, for a checkpoint."""
+        return self.world.broadcast_object(None, root=self.world.first_rollout_rank)
+
+
+class RolloutWorker:
+    """The rollout ranks' program: engines, prompts, rewards and the queue of generated batches."""
+
+    def __init__(self, config: RunConfig, world: SplitWorld):
+        self.config, self.world = config, world
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+        data = config.data
+        self.train_data = PromptDataset(data.train_files, self.tokenizer, data.max_prompt_length,
+                                        data.apply_chat_template)
+        self.val_data = (PromptDataset(data.val_files, self.tokenizer, data.max_prompt_length,
+                                       data.apply_chat_template) if data.val_files else None)
+        self.sampler = ResumableSampler(len(self.train_data), data.train_batch_size, config.trainer.seed,
+                                        shuffle=data.shuffle)
+        self.rewards = RewardManager(load_scoring_function(config.reward.function), config.reward.timeout_seconds)
+        rollout = config.rollout
+        self.engine = ROLLOUT_BACKENDS.get(rollout.backend)(
+            config.model.path, dtype=config.model.dtype, tensor_parallel_size=rollout.tp,
+            max_model_len=data.max_prompt_length + data.max_response_length, kv_cache_bytes=rollout.kv_cache_mib << 20,
+            gpu_memory_utilization=rollout.gpu_memory_utilization, seed=config.trainer.seed, dummy_weights=True)
+        self.sync = CrossGroupSync(world, rollout.tp, rollout.bucket_mib << 20, engine=self.engine)
+        self.engine_version: int | None = None
+        self.last_sync: SyncStats | None = None
+        """The latest sync's statistics, sent with the next batch generated."""
+        self.queue: collections.deque[dict] = collections.deque()
+        self.idle_seconds = 0.0
+
+    def fit(self) -> None:
+        """The rollout ranks' mirror of `RLTrainer.fit` (module docstring)."""
+        trainer = self.config.trainer
+        start, sampler_state, queue = self.world.broadcast_object(None, root=0)
+        self.sampler.load_state_dict(sampler_state)
+        for payload in queue:
+            self.sampler.next_batch()
+            self.queue.append(payload)
+        next_batch = start + len(self.queue)
+        if self.val_data is not None and trainer.val_before_train and start == 1:
+            self._validate(0)
+        for step in range(start, trainer.total_steps + 1):
+            self._sync_to(step - 1)
+            if next_batch <= step:
+                next_batch = self._generate(next_batch, version=step - 1)
+            self._send(self.queue.popleft())
+            while next_batch <= min(step + trainer.max_staleness, trainer.total_steps):
+                next_batch = self._generate(next_batch, version=step - 1)
+            if self.val_data is not None and (step == trainer.total_steps or
+                                              (trainer.test_freq and step % trainer.test_freq == 0)):
+                self._validate(step)
+            if trainer.save_freq and (step % trainer.save_freq == 0 or step == trainer.total_steps):
+                self._send(list(self.queue))
+        self.engine.shutdown()
+
+    def _sync_to(self, version: int) -> None:
+        if version != self.engine_version:
+            start = time.perf_counter()
+            self.last_sync = self.sync.sync(version)
+            self.idle_seconds += time.perf_counter() - start
+            self.engine_version = version
+
+    def _send(self, value) -> None:
+        start = time.perf_counter()
+        self.world.broadcast_object(value, root=self.world.first_rollout_rank)
+        self.idle_seconds += time.perf_counter() - start
+
+    def _generate(self, step: int, version: int) -> int:
+        """Generate B_step with the engine's weights (`version`) into the queue; returns step + 1."""
+        indices = self.sampler.next_batch()
+        prompts = [self.train_data[i] for i in indices]
+        start = time.perf_counter()
+        sampling = rollout_sampling(self.config, self.tokenizer.eos_token_id, step, validation=False)
+        rollouts = collect_rollouts(prompts, self.engine, sampling, self.config.rollout.tp, self.tokenizer,
+                                    self.rewards)
+        move_responses(rollouts, [list(range(len(rollouts)))] + [[]] * (self.world.num_rollout_ranks - 1),
+                       self.config.rollout.tp)
+        payload = batch_payload(rollouts, step, indices, version)
+        payload["generate_seconds"], payload["idle_seconds"] = time.perf_counter() - start, self.idle_seconds
+        payload["sync"] = dataclasses.asdict(self.last_sync) if self.last_sync is not None else None
+        self.idle_seconds, self.last_sync = 0.0, None
+        self.queue.append(payload)
+        return step + 1
+
+    def _validate(self, step: int) -> None:
+        self._sync_to(step)
+        limit = self.config.data.max_val_samples or len(self.val_data)
+        prompts = [self.val_data[i] for i in range(min(limit, len(self.val_data)))]
+        sampling = rollout_sampling(self.config, self.tokenizer.eos_token_id, 0, validation=True)
+        rollouts = collect_rollouts(prompts, self.engine, sampling, self.config.rollout.tp, self.tokenizer,
+                                    self.rewards)
+        self._send(validation_metrics(rollouts, self.config.rollout.val_n))
+
+
+def batch_payload(rollouts: Rollouts, step: int, indices: list[int], version: int) -> dict:
+    """A generated batch as plain values (JSON-safe, for checkpoints); responses as the first rollout
+    rank holds them. `error`: why no reward call succeeded, if none did."""
+    failed = len(rollouts) and rollouts.num_reward_errors + rollouts.num_reward_timeouts == len(rollouts)
+    error = None
+    if failed:
+        error = (f"all {len(rollouts)} reward calls failed ({rollouts.num_reward_errors} errors, "
+                 f"{rollouts.num_reward_timeouts} timeouts); first: {rollouts.first_reward_failure}")
+    return {"step": step, "version": version, "indices": indices, "response_ids": rollouts.response_ids,
+            "logprobs": rollouts.rollout_logprobs, "finish_reasons": rollouts.finish_reasons,
+            "scores": rollouts.scores, "score_extras": rollouts.score_extras,
+            "num_reward_errors": rollouts.num_reward_errors, "num_reward_timeouts": rollouts.num_reward_timeouts,
+            "first_reward_failure": rollouts.first_reward_failure, "error": error}
+
+
+def rollouts_from_payload(payload: dict, dataset: PromptDataset, n: int) -> Rollouts:
+    """The trainer's `Rollouts` of a received batch: every response held on every rank."""
+    prompts = [dataset[i] for i in payload["indices"]]
+    num_sequences = len(prompts) * n
+    return Rollouts(
+        prompts=[p for p in prompts for _ in range(n)], group_ids=[i for i in range(len(prompts)) for _ in range(n)],
+        replicas=[0] * num_sequences, response_lengths=[len(ids) for ids in payload["response_ids"]],
+        response_ids=payload["response_ids"], rollout_logprobs=payload["logprobs"],
+        finish_reasons=payload["finish_reasons"], scores=payload["scores"], score_extras=payload["score_extras"],
+        num_reward_errors=payload["num_reward_errors"], num_reward_timeouts=payload["num_reward_timeouts"],
+        first_reward_failure=payload["first_reward_failure"], policy_versions=[payload["version"]] * num_sequences)
