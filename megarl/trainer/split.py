@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import logging
 import time
 
 import torch
@@ -50,6 +51,8 @@ from megarl.trainer.metrics import sync_metrics
 from megarl.trainer.rollouts import Rollouts, collect_rollouts, move_responses, rollout_sampling
 from megarl.trainer.timing import PhaseTimer
 from megarl.trainer.validation import validation_metrics
+
+logger = logging.getLogger(__name__)
 
 class SplitPolicy:
     """The trainer side: weights out to the rollout ranks, batches and validations in."""
@@ -84,6 +87,7 @@ class SplitPolicy:
             raise RuntimeError(f"step {step}: the rollout ranks generated batch {payload['step']} for prompts "
                                f"{payload['indices'][:8]}..., the trainer's sampler is at prompts "
                                f"{expected_indices[:8]}...: a prompt would be lost or repeated")
+        logger.debug("step %d: trains on prompts %s of policy version %d", step, payload["indices"], payload["version"])
         staleness = step - 1 - payload["version"]
         metrics = {"rollout/staleness": float(staleness), "rollout/policy_version": float(payload["version"]),
                    "timing/rollout_generate": payload["generate_seconds"],
