@@ -9,11 +9,17 @@ newest complete checkpoint. The resumed job must train exactly the steps after t
 log every metric bitwise equal to an uninterrupted run (CPU: the same kernels on the same bytes),
 for GRPO at DP2 and for PPO with a critic at TP2, and its Adam state must count one step per
 optimizer step taken. Checkpoints are layout-independent (DP2 -> TP2, DP2 -> PP2, TP2 -> PP2).
+
+Split placement at staleness 1 (one trainer rank, one vLLM rollout rank) checkpoints the batch the
+rollout rank generated ahead: killed twice while that batch is queued, the resumed job trains every
+step on exactly the uninterrupted run's prompts, none lost or repeated, and no sample it trains on is
+more than one policy version old.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import shutil
@@ -52,7 +58,11 @@ JOBS = {
     "ppo_tp2": Job("configs/quickstart_ppo.yaml", "quickstart_ppo",
                    ("actor.tp=2", f"critic.ppo_mini_batch_size={MINI_BATCH_SIZE}"), ("actor", "critic"),
                    async_save=True),
+    "grpo_split": Job("configs/quickstart.yaml", "quickstart_grpo",
+                      ("trainer.placement=split", "rollout.num_ranks=1", "trainer.max_staleness=1"), ("actor",),
+                      async_save=False),
 }
+TRAINED = re.compile(r"step (\d+): trains on prompts (\[[\d, ]*\]) of policy version (\d+)")
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +92,10 @@ class Launch:
                    "launchers/train_ppo.py", *map(str, args)]
         with open(self.console_path, "w") as stdout, open(self.log_path, "w") as stderr:
             self.agent = subprocess.Popen(command, cwd=ROOT, env=env, stdout=stdout, stderr=stderr)
+
+    def trained_batches(self) -> dict[int, tuple[list[int], int]]:
+        """Split placement: the prompts and policy version of each step trained (debug log)."""
+        return {int(step): (json.loads(prompts), int(version)) for step, prompts, version in TRAINED.findall(self.log())}
 
     def console(self) -> str:
         return self.console_path.read_text()
@@ -187,14 +201,15 @@ def _assert_resumed(launch: Launch, loaded: int, finished: bool) -> None:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tiny_models, arithmetic, tmp_path_factory) -> dict[str, tuple[Path, dict]]:
-    """One uninterrupted run per job: its output directory and its metrics. Each logs every training
-    metric at every step, validates before training and after the last step, and leaves its curves
-    and config in its run directory."""
+def uninterrupted(tiny_models, arithmetic, tmp_path_factory) -> dict[str, tuple[Path, dict, dict]]:
+    """One uninterrupted run per job: its output directory, its metrics and (split placement) the
+    prompts and policy version of each step. Each logs every training metric at every step, validates
+    before training and after the last step, and leaves its curves and config in its run directory."""
     results = {}
     for name, job in JOBS.items():
         out = tmp_path_factory.mktemp(f"uninterrupted_{name}")
-        Launch(out, _args(job, tiny_models["qwen2-tied"], arithmetic, out)).finish()
+        launch = Launch(out, _args(job, tiny_models["qwen2-tied"], arithmetic, out))
+        launch.finish()
         metrics = _metrics(out, job)
         for metric in ("actor/pg_loss", "reward/mean", *(("critic/vf_loss",) if "critic" in job.engines else ())):
             assert sorted(metrics[metric]) == list(range(1, TOTAL_STEPS + 1)), metric
@@ -202,7 +217,7 @@ def uninterrupted(tiny_models, arithmetic, tmp_path_factory) -> dict[str, tuple[
         assert len(set(metrics["actor/grad_norm"].values())) > 1  # the weights really move
         run_dir = out / job.experiment
         assert (run_dir / "config.yaml").is_file() and (run_dir / "curves.png").stat().st_size > 10_000
-        results[name] = out, metrics
+        results[name] = out, metrics, launch.trained_batches()
     return results
 
 
@@ -245,6 +260,9 @@ def _kills(name: str, checkpoints: Path) -> list:
     """When and how each launch dies: GRPO-DP2 loses its agent during a rollout, then crashes during
     a save; PPO-TP2 crashes during an actor update, then during an asynchronous save (its shards still
     being written while the next step trains)."""
+    if name == "grpo_split":  # the batch of step 3 (2) is queued: generated during the update of step 2 (3)
+        return [(lambda launch: launch.phase_began(2, "update_actor"), Launch.crash),
+                (lambda launch: launch.phase_began(3, "update_actor"), Launch.crash)]
     if name == "grpo_dp2":
         return [(lambda launch: launch.phase_began(2, "rollout"), lambda launch: launch.kill_agent(checkpoints)),
                 (lambda launch: (checkpoints / ".global_step_3.partial").is_dir(), Launch.crash)]
@@ -262,7 +280,7 @@ def test_a_job_killed_twice_resumes_bitwise(tiny_models, arithmetic, tmp_path, u
     job = JOBS[name]
     args = _args(job, tiny_models["qwen2-tied"], arithmetic, tmp_path)
     checkpoints = _checkpoints(tmp_path, job)
-    launch, loaded = Launch(tmp_path, args), None
+    launch, loaded, trained = Launch(tmp_path, args), None, {}
     for moment, kill in _kills(name, checkpoints):
         launch.wait_for(lambda: moment(launch))
         kill(launch)
@@ -270,10 +288,15 @@ def test_a_job_killed_twice_resumes_bitwise(tiny_models, arithmetic, tmp_path, u
             _assert_resumed(launch, loaded, finished=False)
         loaded = _latest_step(tmp_path, job)
         assert 0 < loaded < TOTAL_STEPS, f"nothing to resume from, or nothing left to train ({loaded})"
+        trained |= {step: batch for step, batch in launch.trained_batches().items() if step <= loaded}
         launch = Launch(tmp_path, args)
     launch.finish()
     _assert_resumed(launch, loaded, finished=True)
     assert _metrics(tmp_path, job) == uninterrupted[name][1]
+    if "trainer.placement=split" in job.overrides:
+        trained |= launch.trained_batches()
+        assert trained == uninterrupted[name][2]
+        assert [version for _, version in trained.values()] == [0, 0, 1, 2]  # staleness 0, then 1: the bound
     for engine in job.engines:
         assert _adam_steps(tmp_path, job, engine) == {float(TOTAL_STEPS * TRAIN_BATCH_SIZE // MINI_BATCH_SIZE)}
 
@@ -283,7 +306,7 @@ def test_a_job_killed_twice_resumes_bitwise(tiny_models, arithmetic, tmp_path, u
 def test_a_checkpoint_resumes_at_another_layout(tiny_models, arithmetic, tmp_path, uninterrupted, name, layout):
     """The uninterrupted run's checkpoint of step 2 (DP2 or TP2), resumed at TP2 or PP2 (TP1)."""
     job = JOBS[name]
-    reference_out, reference = uninterrupted[name]
+    reference_out, reference, _ = uninterrupted[name]
     shutil.copytree(_checkpoints(reference_out, job) / "global_step_2", _checkpoints(tmp_path, job) / "global_step_2")
     shutil.copytree(reference_out / job.experiment, tmp_path / job.experiment,
                     ignore=shutil.ignore_patterns("*.png", "config.yaml"))  # the mlflow run the job continues
