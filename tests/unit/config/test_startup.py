@@ -50,3 +50,18 @@ def test_gae_without_critic_fails_naming_the_estimator(monkeypatch, tiny_models)
         parse_config(argv, rl=True)
     assert parse_config([*argv, "critic.enable=true"], rl=True).critic.enable
     assert parse_config(argv, rl=False).algorithm.adv_estimator == "gae"  # SFT trains no critic and needs none
+
+
+def test_split_placement_sizes_the_trainer_side_from_the_ranks_left(monkeypatch, tiny_models):
+    """4 ranks, 2 of them rollout ranks: the trainers' TP2 fits the 2 left, TP4 does not; all 4 rollout ranks
+    leave no trainer; ReMax's greedy rollouts are refused."""
+    model, split = f"model.path={tiny_models['qwen2-tied']}", ["trainer.placement=split", "rollout.num_ranks=2"]
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert parse_config(["--config", "configs/tiny_cpu.yaml", model, *split, "actor.tp=2"], rl=True).actor.tp == 2
+    with pytest.raises(ConfigError, match=r"world size 2 is not divisible by actor\.tp \* actor\.pp \* actor\.cp = 4"):
+        parse_config(["--config", "configs/tiny_cpu.yaml", model, *split, "actor.tp=4"], rl=True)
+    with pytest.raises(ConfigError, match=r"'rollout\.num_ranks' = 4 leaves no trainer rank"):
+        parse_config(["--config", "configs/tiny_cpu.yaml", model, "trainer.placement=split", "rollout.num_ranks=4"],
+                     rl=True)
+    with pytest.raises(ConfigError, match=r"'algorithm\.adv_estimator' = 'remax' .* trainer\.placement=split"):
+        parse_config(["--config", "configs/tiny_cpu.yaml", model, *split, "algorithm.adv_estimator=remax"], rl=True)
