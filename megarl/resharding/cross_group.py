@@ -57,9 +57,9 @@ class CrossGroupSync:
 
         itemsize = max(dtype.itemsize for dtype in dtypes.values())
         self.plan = plan_for_rank(self.rank, dense, needs_of, shapes, itemsize, experts, self.replica_ranks)
-        self.needs = {need.hf_name: need for need in
-                      (self.plan.needs if self.rank in self.replica_ranks else _needs_at_position(self, engine_tp,
-                                                                                                  arch))}
+        position = (self.rank - first) % engine_tp  # in its engine replica: what it needs depends on this alone
+        self.needs = {} if world.is_trainer else {
+            need.hf_name: need for need in engine_needs(self.rank, position, engine_tp, shapes, arch)}
         full_bytes = {name: math.prod(shape) * dtypes[name].itemsize for name, shape in shapes.items()}
         self.buckets = layer_buckets(full_bytes, bucket_bytes)
         bucket_of = {name: index for index, names in enumerate(self.buckets) for name in names}
@@ -67,10 +67,10 @@ class CrossGroupSync:
         for t in sorted(self.plan.transfers, key=lambda t: (t.hf_name, t.src, t.dst, t.start)):
             self.bucket_transfers[bucket_of[t.hf_name]].append(t)
         self.position_group = None
-        if not world.is_trainer:
-            position = (self.rank - first) % engine_tp
-            ranks = tuple(range(first + position, world.num_trainer_ranks + world.num_rollout_ranks, engine_tp))
-            self.position_group = world.bridge_group(ranks) if len(ranks) > 1 else None
+        """The rollout ranks at this rank's engine TP position, first replica first (over which it broadcasts)."""
+        if not world.is_trainer and world.num_rollout_ranks > engine_tp:
+            self.position_group = world.bridge_group(tuple(range(first + position, first + world.num_rollout_ranks,
+                                                                 engine_tp)))
 
     @torch.no_grad()
     def sync(self, step: int) -> SyncStats:
@@ -159,11 +159,3 @@ def _describe_sources(module: torch.nn.Module, arch: Architecture, layout: Paral
     dtypes = {piece.hf_name: shards[(piece.rank, piece.megatron_name)][1] for piece in dense + expert}
     return arch, dense, expert, shapes, dtypes
 
-
-def _needs_at_position(sync: CrossGroupSync, engine_tp: int, arch: Architecture) -> list[Need]:
-    """A rollout rank outside the first replica needs what the first replica's rank at its engine TP
-    position needs; trainer ranks need nothing."""
-    if sync.world.is_trainer:
-        return []
-    position = (sync.rank - sync.world.first_rollout_rank) % engine_tp
-    return engine_needs(sync.rank, position, engine_tp, sync.hf_shapes, arch)

@@ -10,7 +10,7 @@ log every metric bitwise equal to an uninterrupted run (CPU: the same kernels on
 for GRPO at DP2 and for PPO with a critic at TP2, and its Adam state must count one step per
 optimizer step taken. Checkpoints are layout-independent (DP2 -> TP2, DP2 -> PP2, TP2 -> PP2).
 
-Split placement at staleness 1 (one trainer rank, one vLLM rollout rank) checkpoints the batch the
+Split placement at staleness 1 (one trainer rank, one rollout rank, `hf` engine) checkpoints the batch the
 rollout rank generated ahead: killed twice while that batch is queued, the resumed job trains every
 step on exactly the uninterrupted run's prompts, none lost or repeated, and no sample it trains on is
 more than one policy version old.
@@ -59,7 +59,8 @@ JOBS = {
                    ("actor.tp=2", f"critic.ppo_mini_batch_size={MINI_BATCH_SIZE}"), ("actor", "critic"),
                    async_save=True),
     "grpo_split": Job("configs/quickstart.yaml", "quickstart_grpo",
-                      ("trainer.placement=split", "rollout.num_ranks=1", "trainer.max_staleness=1"), ("actor",),
+                      ("trainer.placement=split", "rollout.num_ranks=1", "trainer.max_staleness=1",
+                       "rollout.backend=hf"), ("actor",),
                       async_save=False),
 }
 TRAINED = re.compile(r"step (\d+): trains on prompts (\[[\d, ]*\]) of policy version (\d+)")
