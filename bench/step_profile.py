@@ -127,7 +127,7 @@ def sync_costs(trainer, syncs: int) -> dict[str, float]:
     processing inside the sync (timed by wrapping each processing method the engine's layers use)."""
     import torch
 
-    model = trainer.rollout.llm.collective_rpc(lambda worker: worker.model_runner.model)[0]
+    model = trainer.policy.engine.llm.collective_rpc(lambda worker: worker.model_runner.model)[0]
     methods = {type(module.quant_method) for module in model.modules() if hasattr(module, "quant_method")}
     processing = []
 
@@ -206,7 +206,7 @@ def worker(overrides: list[str], warmup: int, steps: int, profile_steps: int, to
             "layout": str(trainer.layout), "walls": walls, "phases": phases, "operators": operators,
             "python": python_costs(python_profiles, profile_steps, top), "syncs": syncs}), flush=True)
     trainer.tracker.close()
-    trainer.rollout.shutdown()
+    trainer.policy.engine.shutdown()
 
 
 def run_logged(command: list[str], log: Path) -> str:
