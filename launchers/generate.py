@@ -9,7 +9,7 @@ the way the trainer feeds its rollout engine: the megatron-core actor is built a
 with dummy weights (a checkpoint's `hf/` holds config and tokenizer, no weight files).
 
 The prompts are read and tokenized as in training (`PromptDataset`: common parquet layout, chat
-template, prompts over --max-prompt-length dropped). Each engine replica (--engine-tp consecutive
+template, with --multi-turn the tools preamble, prompts over --max-prompt-length dropped). Each engine replica (--engine-tp consecutive
 ranks) generates for its share of the prompts and `collect_rollouts` scores the responses, exactly
 as the trainer's validation does; `move_responses` brings them to rank 0, which writes one row per
 response (.jsonl or .parquet). The defaults (greedy, one sample, seed 1) are the trainer's validation
@@ -34,6 +34,7 @@ quiet_third_party_logs()  # before the libraries are imported: some warn or log 
 import torch.distributed as dist  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+from megarl.agent.tools import tool_schemas  # noqa: E402
 from megarl.checkpoint.model_loading import load_model, model_problem  # noqa: E402
 from megarl.config.schema import MultiTurnConfig, RolloutConfig  # noqa: E402
 from megarl.data.dataset import load_rows, write_rows  # noqa: E402
@@ -172,7 +173,10 @@ def main(argv: list[str]) -> None:
         sys.exit(str(error))
     model = model_source(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model.hf_dir)
-    dataset = PromptDataset(args.data, tokenizer, args.max_prompt_length, args.apply_chat_template)
+    turns = MultiTurnConfig(enable=args.multi_turn, tools=args.tools, environment=args.environment,
+                            max_turns=args.max_turns, max_tokens_per_turn=args.max_tokens_per_turn)
+    dataset = PromptDataset(args.data, tokenizer, args.max_prompt_length, args.apply_chat_template,
+                            tools=tool_schemas(turns))
     prompts = [dataset[i] for i in range(min(args.max_samples or len(dataset), len(dataset)))]
     engine = start_engine(args, model)
     stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
@@ -181,8 +185,6 @@ def main(argv: list[str]) -> None:
                         seed=derive_seed(args.seed, "validation"))  # the trainer's validation stream
     rewards = RewardManager(load_scoring_function(args.reward_function, "--reward-function"))
     if args.multi_turn:
-        turns = MultiTurnConfig(enable=True, tools=args.tools, environment=args.environment, max_turns=args.max_turns,
-                                max_tokens_per_turn=args.max_tokens_per_turn)
         collector = MultiTurnRollouts.from_config(RolloutConfig(tp=args.engine_tp, multi_turn=turns), tokenizer,
                                                   args.max_prompt_length, args.max_response_length)
         rollouts = collector.collect(prompts, engine, sampling, rewards)

@@ -49,7 +49,8 @@ class Environment(Protocol):
     """JSON tool schemas to pass to the chat template as `tools=` ([] for none)."""
 
     def reset(self, sample: Prompt) -> list[dict]:
-        """The chat messages that open the trajectory; [] keeps the sample's own prompt."""
+        """The chat messages that open the trajectory, rendered with `tools`; [] keeps the sample's own
+        prompt, which the data loader rendered with rollout.multi_turn.tools (`tool_schemas`)."""
 
     def step(self, assistant_text: str) -> Observation:
         """React to the model's turn (its decoded text)."""
@@ -71,7 +72,7 @@ class ToolEnvironment:
         self.tools = toolbox.schemas
 
     def reset(self, sample: Prompt) -> list[dict]:
-        return []
+        return []  # the sample's prompt, rendered with the same tools (`tool_schemas`) by the data loader
 
     def step(self, assistant_text: str) -> Observation:
         calls = parse_tool_calls(assistant_text)

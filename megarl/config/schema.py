@@ -309,7 +309,9 @@ class MultiTurnConfig:
     """Agentic rollouts: the tools the model may call and the environment that answers its turns."""
 
     enable: bool = False
-    """Generate trajectories turn by turn with an environment instead of one response per sample."""
+    """Generate trajectories turn by turn with an environment instead of one response per sample. Chat
+    prompts then open with the chat template's preamble of `tools`, in RL, its validation and SFT alike
+    (an SFT warm start for a multi-turn run sets it too)."""
 
     max_turns: int = 4
     """Model turns per trajectory at most; every response token, the model's and the environment's,

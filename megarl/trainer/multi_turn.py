@@ -5,7 +5,7 @@ replica runs its block's trajectories turn by turn (`megarl.agent.trajectories`)
 first rank alone holds the environments (one per trajectory), as it alone scores: tools run once per
 trajectory, and its TP peers receive each turn's observation tokens in one broadcast over the
 replica. The openings (each trajectory's first messages rendered with its environment's tools, or
-the sample's own prompt when `reset` returns none) are what every later phase takes as the
+the sample's own prompt, rendered with the run's tools, when `reset` returns none) are what every later phase takes as the
 sequence's prompt, so they are gathered onto every rank once.
 
 An environment that returns a reward when it ends a trajectory gives its score; the reward function

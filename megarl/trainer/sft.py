@@ -1,9 +1,13 @@
 """Supervised fine-tuning on the RL data layout: a warm start for RL.
 
-Each prompt is followed by its reference response (`extra_info["answer"]` when the data has one,
-else the ground truth) and the end-of-text token. The prompt is tokenized as RL and generation
-tokenize it (its special tokens included); the response continues it, so it gets none. The loss
-is the token-mean negative log-likelihood of the response tokens. The result is exported as a HF
+Each prompt is followed by its reference response: a multi-turn trace (`extra_info["turns"]`:
+assistant messages with tool results between them) rendered as the tokens a multi-turn rollout of
+it holds (`ChatRenderer.continuation`); else the text of `extra_info["answer"]` when the data has one,
+else the ground truth, and the end-of-text token. The prompt is tokenized as RL and generation
+tokenize it (its special tokens included, and with `rollout.multi_turn.enable` the tools preamble of
+`rollout.multi_turn.tools`, so the warm start and the RL run after it see the same opening); the
+response continues it, so it gets none. The loss is the token-mean negative log-likelihood of the
+response tokens. The result is exported as a HF
 checkpoint in `<run_dir>/hf`, ready to be `model.path` of an RL run.
 """
 
@@ -11,11 +15,13 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer
 
+from megarl.agent.rendering import ChatRenderer
+from megarl.agent.tools import tool_schemas
 from megarl.algorithms import aggregate
 from megarl.data.dataset import Prompt
 from megarl.data.prompt_dataset import PromptDataset
 from megarl.data.sampler import ResumableSampler
-from megarl.data.tokenization import continuation_ids
+from megarl.data.tokenization import continuation_ids, uses_chat_template
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.batching import balance_over_data_parallel
 from megarl.engine.megatron_engine import MegatronEngine
@@ -24,8 +30,20 @@ from megarl.tracking import Tracker
 from megarl.trainer.startup import Run
 
 
-def response_ids(prompt: Prompt, tokenizer, max_response_length: int) -> list[int]:
-    """The reference response of `prompt` as ids, cut to leave room for the end-of-text token."""
+def response_ids(prompt: Prompt, tokenizer, renderer: ChatRenderer | None, max_response_length: int) -> list[int]:
+    """The reference response of `prompt` as ids: its trace rendered by `renderer` (None: the data are
+    not rendered with a chat template) cut to `max_response_length`, or its text cut to leave room for
+    the end-of-text token."""
+    turns = prompt.extra_info.get("turns") if prompt.extra_info else None
+    if turns:
+        if renderer is None:
+            raise ValueError(f"data.train_files prompt {prompt.index}: extra_info.turns needs a chat template "
+                             "(data.apply_chat_template=true and a tokenizer with one)")
+        try:  # parquet fills a message's absent fields (a tool's name) with None
+            ids, _ = renderer.continuation([{k: v for k, v in m.items() if v is not None} for m in turns])
+        except ValueError as error:
+            raise ValueError(f"data.train_files prompt {prompt.index}, extra_info.turns: {error}") from None
+        return ids[:max_response_length]
     text = prompt.extra_info.get("answer", prompt.ground_truth) if prompt.extra_info else prompt.ground_truth
     return continuation_ids(str(text), tokenizer)[: max_response_length - 1] + [tokenizer.eos_token_id]
 
@@ -41,9 +59,12 @@ class SFTTrainer:
         self.config, self.layout, self.run_dir = run.config, run.layout, run.run_dir
         config = self.config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+        tools = tool_schemas(config.rollout.multi_turn)
         self.data = PromptDataset(config.data.train_files, self.tokenizer, config.data.max_prompt_length,
-                                  config.data.apply_chat_template)
-        self.responses = [response_ids(prompt, self.tokenizer, config.data.max_response_length)
+                                  config.data.apply_chat_template, tools=tools)
+        renderer = (ChatRenderer(self.tokenizer, tools)
+                    if uses_chat_template(self.tokenizer, config.data.apply_chat_template) else None)
+        self.responses = [response_ids(prompt, self.tokenizer, renderer, config.data.max_response_length)
                           for prompt in self.data]
         self.sampler = ResumableSampler(len(self.data), config.data.train_batch_size, config.trainer.seed,
                                         shuffle=config.data.shuffle)

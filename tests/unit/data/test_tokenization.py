@@ -51,7 +51,7 @@ def test_prompts_carry_the_tokenizers_bos_once(tokenizer, tmp_path):
     assert templated[1].prompt_ids == bos + _chars(tokenizer, "Q: 2+2=")  # a plain string is raw text
 
     # SFT: the response continues the prompt: BOS once, at the start of the whole sequence.
-    sequence = raw[0].prompt_ids + response_ids(raw[0], tokenizer, max_response_length=8)
+    sequence = raw[0].prompt_ids + response_ids(raw[0], tokenizer, None, max_response_length=8)
     assert sequence == bos + _chars(tokenizer, "1+2=3") + [tokenizer.eos_token_id]
 
 
