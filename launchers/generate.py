@@ -17,7 +17,8 @@ defaults, so `launchers/evaluate.py` on the output reproduces `val/score/mean` f
 
 With --multi-turn each sample is a trajectory with tools or an environment, generated as the trainer's
 multi-turn rollouts (`megarl.trainer.multi_turn`): its row holds the whole conversation (`messages`), and
-`response` is its last assistant turn, which the reward function scores (and evaluate.py re-scores).
+`response` is its last assistant turn. Its `score` comes from --multi-turn-reward (rollout.multi_turn.reward:
+the environment's reward, the reward function's score of `response`, which evaluate.py re-scores, or both).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from megarl.agent.tools import tool_schemas  # noqa: E402
 from megarl.checkpoint.model_loading import load_model, model_problem  # noqa: E402
-from megarl.config.schema import MultiTurnConfig, RolloutConfig  # noqa: E402
+from megarl.config.schema import MULTI_TURN_REWARDS, MultiTurnConfig, RolloutConfig  # noqa: E402
 from megarl.data.dataset import load_rows, write_rows  # noqa: E402
 from megarl.data.prompt_dataset import PromptDataset  # noqa: E402
 from megarl.distributed import init_layout  # noqa: E402
@@ -80,6 +81,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "names and path/to/file.py:function (rollout.multi_turn.tools)")
     parser.add_argument("--environment", default="", help="--multi-turn: path/to/file.py:Class answering every "
                         "trajectory (rollout.multi_turn.environment); default: by data_source, else the tools")
+    parser.add_argument("--multi-turn-reward", default=MultiTurnConfig().reward, choices=MULTI_TURN_REWARDS,
+                        help="--multi-turn: where a trajectory's score comes from (rollout.multi_turn.reward)")
     parser.add_argument("--max-turns", type=int, default=MultiTurnConfig().max_turns, help="--multi-turn: model "
                         "turns per trajectory at most")
     parser.add_argument("--max-tokens-per-turn", type=int, default=0, help="--multi-turn: tokens of one model turn "
@@ -174,7 +177,8 @@ def main(argv: list[str]) -> None:
     model = model_source(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model.hf_dir)
     turns = MultiTurnConfig(enable=args.multi_turn, tools=args.tools, environment=args.environment,
-                            max_turns=args.max_turns, max_tokens_per_turn=args.max_tokens_per_turn)
+                            reward=args.multi_turn_reward, max_turns=args.max_turns,
+                            max_tokens_per_turn=args.max_tokens_per_turn)
     dataset = PromptDataset(args.data, tokenizer, args.max_prompt_length, args.apply_chat_template,
                             tools=tool_schemas(turns))
     prompts = [dataset[i] for i in range(min(args.max_samples or len(dataset), len(dataset)))]

@@ -19,6 +19,7 @@ KL_CONTROLLERS = ("fixed", "adaptive")
 RESUME_MODES = ("auto", "disable", "path")
 LOGGERS = ("console", "mlflow")
 PRIME_UPDATES = ("before", "after")
+MULTI_TURN_REWARDS = ("environment", "function", "sum")
 
 
 @dataclass
@@ -324,6 +325,11 @@ class MultiTurnConfig:
     tools: list[str] = field(default_factory=lambda: ["python", "calculator"])
     """Tools offered to the model: built-in names (python, calculator) and user functions
     `path/to/file.py:function` (schema from type hints and the docstring's Args section)."""
+
+    reward: str = "environment"
+    """Where a trajectory's reward comes from: `environment` (the reward its environment gives when it
+    ends it; 0 for one cut by max_turns or the token budget), `function` (the reward function's score of
+    the last assistant turn; for ToolEnvironment, which gives none) or `sum` (both added)."""
 
     environment: str = ""
     """`path/to/file.py:Class` answering every trajectory (constructed with the run's Toolbox); empty: the

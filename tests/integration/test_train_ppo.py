@@ -29,7 +29,7 @@ USER_REWARD = f"{ROOT / 'tests/integration/user_reward.py'}:compute_score"
 # Trajectories of 3 model turns of at most 8 tokens, each of the first two answered by the environment with
 # a user message (ANSWERED, at most 26 tokens; one fewer after a turn that ends with <|im_end|>): at most 76.
 ANSWERED = "<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n"
-MULTI_TURN = ["rollout.multi_turn.enable=true", "rollout.multi_turn.max_turns=3",
+MULTI_TURN = ["rollout.multi_turn.enable=true", "rollout.multi_turn.max_turns=3", "rollout.multi_turn.reward=function",
               "rollout.multi_turn.max_tokens_per_turn=8", "data.max_response_length=76", "data.max_prompt_length=32",
               f"rollout.multi_turn.environment={ROOT / 'tests/integration/user_environment.py'}:AnswerEveryTurn",
               "trainer.total_steps=3"]
