@@ -36,12 +36,13 @@ opd-quickstart: $(INSTALLED)
 	$(TORCHRUN) launchers/train_ppo.py --config configs/opd_quickstart.yaml
 
 # Agentic RL: "a*b" with the calculator tool. A tiny Qwen2 and its tokenizer made here, chats whose warm-start
-# targets (rendered with its chat template) call the calculator half of the time, a short SFT warm start, then
-# multi-turn GRPO on 2 CPU processes (curves in outputs/agent_quickstart/agent_quickstart_grpo).
+# targets call the calculator half of the time, a short SFT warm start on them (rendered with its chat template
+# and the calculator's schema, as the RL run renders its trajectories), then multi-turn GRPO on 2 CPU
+# processes (curves in outputs/agent_quickstart/agent_quickstart_grpo).
 agent-quickstart: $(INSTALLED)
 	$(PYTHON) checkpoints_tools/make_tiny_model.py --family qwen2 --out outputs/agent_quickstart/base
-	$(PYTHON) -m megarl.data.synthetic --task multiplication --tokenizer outputs/agent_quickstart/base \
-		--out-dir outputs/agent_quickstart/data --num-train 4000 --num-test 200 --seed 0
+	$(PYTHON) -m megarl.data.synthetic --task multiplication --out-dir outputs/agent_quickstart/data \
+		--num-train 4000 --num-test 200 --seed 0
 	$(TORCHRUN) launchers/train_sft.py --config configs/agent_quickstart_sft.yaml
 	$(TORCHRUN) launchers/train_ppo.py --config configs/agent_quickstart.yaml
 

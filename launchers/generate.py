@@ -9,7 +9,7 @@ the way the trainer feeds its rollout engine: the megatron-core actor is built a
 with dummy weights (a checkpoint's `hf/` holds config and tokenizer, no weight files).
 
 The prompts are read and tokenized as in training (`PromptDataset`: common parquet layout, chat
-template, prompts over --max-prompt-length dropped). Each engine replica (--engine-tp consecutive
+template, with --multi-turn the tools preamble, prompts over --max-prompt-length dropped). Each engine replica (--engine-tp consecutive
 ranks) generates for its share of the prompts and `collect_rollouts` scores the responses, exactly
 as the trainer's validation does; `move_responses` brings them to rank 0, which writes one row per
 response (.jsonl or .parquet). The defaults (greedy, one sample, seed 1) are the trainer's validation
@@ -17,7 +17,8 @@ defaults, so `launchers/evaluate.py` on the output reproduces `val/score/mean` f
 
 With --multi-turn each sample is a trajectory with tools or an environment, generated as the trainer's
 multi-turn rollouts (`megarl.trainer.multi_turn`): its row holds the whole conversation (`messages`), and
-`response` is its last assistant turn, which the reward function scores (and evaluate.py re-scores).
+`response` is its last assistant turn. Its `score` comes from --multi-turn-reward (rollout.multi_turn.reward:
+the environment's reward, the reward function's score of `response`, which evaluate.py re-scores, or both).
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ quiet_third_party_logs()  # before the libraries are imported: some warn or log 
 import torch.distributed as dist  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+from megarl.agent.tools import tool_schemas  # noqa: E402
 from megarl.checkpoint.model_loading import load_model, model_problem  # noqa: E402
-from megarl.config.schema import MultiTurnConfig, RolloutConfig  # noqa: E402
+from megarl.config.schema import MULTI_TURN_REWARDS, MultiTurnConfig, RolloutConfig  # noqa: E402
 from megarl.data.dataset import load_rows, write_rows  # noqa: E402
 from megarl.data.prompt_dataset import PromptDataset  # noqa: E402
 from megarl.distributed import init_layout  # noqa: E402
@@ -79,6 +81,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "names and path/to/file.py:function (rollout.multi_turn.tools)")
     parser.add_argument("--environment", default="", help="--multi-turn: path/to/file.py:Class answering every "
                         "trajectory (rollout.multi_turn.environment); default: by data_source, else the tools")
+    parser.add_argument("--multi-turn-reward", default=MultiTurnConfig().reward, choices=MULTI_TURN_REWARDS,
+                        help="--multi-turn: where a trajectory's score comes from (rollout.multi_turn.reward)")
     parser.add_argument("--max-turns", type=int, default=MultiTurnConfig().max_turns, help="--multi-turn: model "
                         "turns per trajectory at most")
     parser.add_argument("--max-tokens-per-turn", type=int, default=0, help="--multi-turn: tokens of one model turn "
@@ -172,7 +176,11 @@ def main(argv: list[str]) -> None:
         sys.exit(str(error))
     model = model_source(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model.hf_dir)
-    dataset = PromptDataset(args.data, tokenizer, args.max_prompt_length, args.apply_chat_template)
+    turns = MultiTurnConfig(enable=args.multi_turn, tools=args.tools, environment=args.environment,
+                            reward=args.multi_turn_reward, max_turns=args.max_turns,
+                            max_tokens_per_turn=args.max_tokens_per_turn)
+    dataset = PromptDataset(args.data, tokenizer, args.max_prompt_length, args.apply_chat_template,
+                            tools=tool_schemas(turns))
     prompts = [dataset[i] for i in range(min(args.max_samples or len(dataset), len(dataset)))]
     engine = start_engine(args, model)
     stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
@@ -181,8 +189,6 @@ def main(argv: list[str]) -> None:
                         seed=derive_seed(args.seed, "validation"))  # the trainer's validation stream
     rewards = RewardManager(load_scoring_function(args.reward_function, "--reward-function"))
     if args.multi_turn:
-        turns = MultiTurnConfig(enable=True, tools=args.tools, environment=args.environment, max_turns=args.max_turns,
-                                max_tokens_per_turn=args.max_tokens_per_turn)
         collector = MultiTurnRollouts.from_config(RolloutConfig(tp=args.engine_tp, multi_turn=turns), tokenizer,
                                                   args.max_prompt_length, args.max_response_length)
         rollouts = collector.collect(prompts, engine, sampling, rewards)

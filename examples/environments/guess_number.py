@@ -3,7 +3,8 @@
 Each sample's `ground_truth` is the secret, an integer from 1 to 100 (the row's prompt is not used:
 `reset` opens the trajectory with the rules). The model answers with
 <guess>N</guess>; the environment says "higher" or "lower" until the model finds it or uses up its
-guesses. Reward 1.0 for finding it, 0.0 otherwise: no reward function needed.
+guesses. Reward 1.0 for finding it, 0.0 otherwise: no reward function needed (rollout.multi_turn.reward=
+environment, the default).
 
     rollout.multi_turn.environment=examples/environments/guess_number.py:GuessNumberEnvironment
 

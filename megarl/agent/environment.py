@@ -10,9 +10,9 @@ The turn loop (`megarl.agent.trajectories`) calls, for each trajectory:
         observation = env.step(turn_text)   # messages to append, done, the environment's reward
 
 An environment is constructed with the run's `Toolbox` (one that uses no tools ignores it). A
-trajectory's reward is its environment's (`Observation.reward` when done) where it gives one, else the
-reward function's score of the last assistant turn (`megarl.trainer.multi_turn`). Environments never
-import the engine or the trainer.
+trajectory's reward is, per `rollout.multi_turn.reward`, its environment's (`Observation.reward` when
+done; 0 if it never said done), the reward function's score of the last assistant turn, or their sum
+(`megarl.trainer.multi_turn.final_rewards`). Environments never import the engine or the trainer.
 
 Which environment: `rollout.multi_turn.environment=path/to/file.py:Class` for every sample, else the
 one registered in ENVIRONMENTS under the sample's data_source, else `ToolEnvironment`.
@@ -49,7 +49,8 @@ class Environment(Protocol):
     """JSON tool schemas to pass to the chat template as `tools=` ([] for none)."""
 
     def reset(self, sample: Prompt) -> list[dict]:
-        """The chat messages that open the trajectory; [] keeps the sample's own prompt."""
+        """The chat messages that open the trajectory, rendered with `tools`; [] keeps the sample's own
+        prompt, which the data loader rendered with rollout.multi_turn.tools (`tool_schemas`)."""
 
     def step(self, assistant_text: str) -> Observation:
         """React to the model's turn (its decoded text)."""
@@ -60,7 +61,8 @@ ENVIRONMENTS: Registry[Callable[[Toolbox], Environment]] = Registry("environment
 
 class ToolEnvironment:
     """The default: runs the tool calls of each turn, one "tool" message per call, in the calls'
-    order; done when a turn calls no tool. Its reward is None (the reward function scores the text).
+    order; done when a turn calls no tool. Its reward is None: runs with it score the text with the reward
+    function (rollout.multi_turn.reward=function).
 
     info counts the turn's calls by outcome: tool_calls (all), tool_errors (every failed one), and
     among those tool_timeouts, tool_malformed, tool_unknown.
@@ -71,7 +73,7 @@ class ToolEnvironment:
         self.tools = toolbox.schemas
 
     def reset(self, sample: Prompt) -> list[dict]:
-        return []
+        return []  # the sample's prompt, rendered with the same tools (`tool_schemas`) by the data loader
 
     def step(self, assistant_text: str) -> Observation:
         calls = parse_tool_calls(assistant_text)

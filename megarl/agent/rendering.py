@@ -65,6 +65,28 @@ class ChatRenderer:
         ids = self._ids(self.closing + after[len(self.probe_text):])
         return ids[1:] if turn_ids and turn_ids[-1] == self.end_of_turn_id else ids
 
+    def continuation(self, turns: list[dict]) -> tuple[list[int], list[int]]:
+        """A reference continuation of an opening (an SFT target): `turns`, assistant messages with the
+        environment's messages (tool results) between them, as the tokens a trajectory that played them
+        holds (each model turn ending on the end-of-turn token), and its loss mask: 1 on the model's
+        tokens, 0 on the environment's. ValueError if `turns` do not alternate so, from and to an
+        assistant message."""
+        roles = [message["role"] == "assistant" for message in turns]
+        if not roles or not roles[0] or not roles[-1] or any(a and b for a, b in zip(roles, roles[1:])):
+            raise ValueError("expected assistant messages with other messages (tool results) between them, first "
+                             f"and last an assistant's; got roles {[message['role'] for message in turns]}")
+        ids, loss_mask, turn_ids, observed = [], [], [], []
+        for message in turns:
+            if message["role"] != "assistant":
+                observed.append(message)
+                continue
+            if observed:
+                observation = self.observation(observed, turn_ids)
+                ids, loss_mask, observed = ids + observation, loss_mask + [0] * len(observation), []
+            turn_ids = self._ids(message["content"]) + [self.end_of_turn_id]
+            ids, loss_mask = ids + turn_ids, loss_mask + [1] * len(turn_ids)
+        return ids, loss_mask
+
     def decode(self, turn_ids: list[int]) -> str:
         """The text of a model turn, as the environment reads it (special tokens dropped)."""
         return self.tokenizer.decode(turn_ids, skip_special_tokens=True)

@@ -76,6 +76,13 @@ def load_tools(config: MultiTurnConfig) -> list[Tool]:
     return tools
 
 
+def tool_schemas(config: MultiTurnConfig) -> list[dict]:
+    """The schemas every prompt of a run opens with (the chat template's `tools=`): those of `config.tools`
+    when multi-turn rollouts are on, else none. SFT, RL and generation all take them from here, so a
+    warm start sees the same system/tools preamble as the RL run after it."""
+    return [tool.schema for tool in load_tools(config)] if config.enable else []
+
+
 def _builtin(name: str, what: str) -> Callable[[MultiTurnConfig], Callable[..., str]]:
     if name not in BUILTIN_TOOLS.names():
         raise ValueError(f"{what}={name!r}: not a built-in tool ({', '.join(BUILTIN_TOOLS.names())}) "

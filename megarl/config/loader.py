@@ -22,6 +22,7 @@ from megarl.config.schema import (
     KL_CONTROLLERS,
     LAYER_SPECS,
     LOGGERS,
+    MULTI_TURN_REWARDS,
     LR_DECAY_STYLES,
     OPTIMIZERS,
     PLACEMENTS,
@@ -141,6 +142,7 @@ def _check_placement(config: RunConfig) -> None:
 def _check_multi_turn(multi_turn: MultiTurnConfig) -> None:
     _check_at_least("rollout.multi_turn.max_turns", multi_turn.max_turns, 1)
     _check_at_least("rollout.multi_turn.max_tokens_per_turn", multi_turn.max_tokens_per_turn, 0)
+    _check_choice("rollout.multi_turn.reward", multi_turn.reward, MULTI_TURN_REWARDS)
     if multi_turn.tool_timeout_seconds <= 0:
         raise ConfigError(f"config key 'rollout.multi_turn.tool_timeout_seconds' = {multi_turn.tool_timeout_seconds} "
                           "is out of range; allowed: numbers > 0")

@@ -20,6 +20,7 @@ RESUME_MODES = ("auto", "disable", "path")
 PLACEMENTS = ("colocated", "split")
 LOGGERS = ("console", "mlflow")
 PRIME_UPDATES = ("before", "after")
+MULTI_TURN_REWARDS = ("environment", "function", "sum")
 
 
 @dataclass
@@ -310,7 +311,9 @@ class MultiTurnConfig:
     """Agentic rollouts: the tools the model may call and the environment that answers its turns."""
 
     enable: bool = False
-    """Generate trajectories turn by turn with an environment instead of one response per sample."""
+    """Generate trajectories turn by turn with an environment instead of one response per sample. Chat
+    prompts then open with the chat template's preamble of `tools`, in RL, its validation and SFT alike
+    (an SFT warm start for a multi-turn run sets it too)."""
 
     max_turns: int = 4
     """Model turns per trajectory at most; every response token, the model's and the environment's,
@@ -323,6 +326,11 @@ class MultiTurnConfig:
     tools: list[str] = field(default_factory=lambda: ["python", "calculator"])
     """Tools offered to the model: built-in names (python, calculator) and user functions
     `path/to/file.py:function` (schema from type hints and the docstring's Args section)."""
+
+    reward: str = "environment"
+    """Where a trajectory's reward comes from: `environment` (the reward its environment gives when it
+    ends it; 0 for one cut by max_turns or the token budget), `function` (the reward function's score of
+    the last assistant turn; for ToolEnvironment, which gives none) or `sum` (both added)."""
 
     environment: str = ""
     """`path/to/file.py:Class` answering every trajectory (constructed with the run's Toolbox); empty: the

@@ -10,8 +10,8 @@ that file. The operating system shares its pages between the ranks and reads onl
 rank's own memory holds the per-row index of kept prompts (8 bytes a row) and nothing else per row.
 
 The cache's name hashes the file (path, size, modification time), the tokenizer (its serialized
-model, chat template and leading special tokens) and whether the template is applied: a change in
-any of them builds a new one. The ranks of a node take turns on a file lock: one builds, the others
+model, chat template and leading special tokens), whether the template is applied and the tools it
+offers: a change in any of them builds a new one. The ranks of a node take turns on a file lock: one builds, the others
 map its result. A bad row fails the build, so each rank in turn fails with the same one-line error
 naming the file and row.
 """
@@ -48,11 +48,13 @@ class PromptDataset:
     Chat messages go through the tokenizer's chat template (with the generation prompt) when
     `apply_chat_template` is set and the tokenizer has one; otherwise, and always for a plain
     string prompt, the raw text is used (message contents joined by newlines). Special tokens are
-    those of the template, or the tokenizer's for raw text (`megarl.data.tokenization`).
+    those of the template, or the tokenizer's for raw text (`megarl.data.tokenization`). `tools`: the
+    JSON schemas the template offers (`megarl.agent.tools.tool_schemas`): its tools preamble opens each
+    chat prompt, as it opens each multi-turn trajectory.
     """
 
     def __init__(self, files: list[str], tokenizer, max_prompt_length: int, apply_chat_template: bool = True,
-                 cache_dir: str | Path | None = None):
+                 cache_dir: str | Path | None = None, tools: list[dict] | None = None):
         if max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be at least 1, got {max_prompt_length}")
         started = time.perf_counter()
@@ -62,9 +64,9 @@ class PromptDataset:
         for file in self.files:  # footer checks of every file first: a typo fails before any tokenizing
             open_parquet(file)
         self.tables, self.num_built = [], 0
-        tokenization = _tokenizer_fingerprint(tokenizer, apply_chat_template)
+        tokenization = _tokenizer_fingerprint(tokenizer, apply_chat_template, tools)
         for file in self.files:
-            table, built = _mapped_tokens(file, tokenizer, apply_chat_template, tokenization,
+            table, built = _mapped_tokens(file, tokenizer, apply_chat_template, tools, tokenization,
                                           Path(cache_dir or DEFAULT_CACHE_DIR))
             self.tables.append(table)
             self.num_built += built
@@ -107,7 +109,7 @@ def _lengths(table: pa.Table) -> np.ndarray:
                            for chunk in table.column("prompt_ids").chunks])
 
 
-def _mapped_tokens(file: str, tokenizer, apply_chat_template: bool, tokenization: str,
+def _mapped_tokens(file: str, tokenizer, apply_chat_template: bool, tools: list[dict] | None, tokenization: str,
                    cache_dir: Path) -> tuple[pa.Table, bool]:
     """The file's tokenized cache, memory-mapped (built first if missing), and whether this call built it."""
     stat = os.stat(file)
@@ -119,22 +121,22 @@ def _mapped_tokens(file: str, tokenizer, apply_chat_template: bool, tokenization
         with open(path.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one rank of the node builds, the others wait and map
             if not path.is_file():
-                _build(file, tokenizer, apply_chat_template, path)
+                _build(file, tokenizer, apply_chat_template, tools, path)
                 built = True
     return pa.ipc.open_file(pa.memory_map(str(path))).read_all(), built
 
 
-def _tokenizer_fingerprint(tokenizer, apply_chat_template: bool) -> str:
+def _tokenizer_fingerprint(tokenizer, apply_chat_template: bool, tools: list[dict] | None) -> str:
     """A hash of everything that decides a prompt's ids: the tokenizer's model and rules, its chat
-    template, its leading special tokens and whether the template is used."""
+    template, its leading special tokens, whether the template is used and the tools it offers."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     model = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
     parts = (type(tokenizer).__name__, model, tokenizer.chat_template, special_prefix(tokenizer),
-             uses_chat_template(tokenizer, apply_chat_template))
+             uses_chat_template(tokenizer, apply_chat_template), json.dumps(tools or [], sort_keys=True))
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
-def _build(file: str, tokenizer, apply_chat_template: bool, path: Path) -> None:
+def _build(file: str, tokenizer, apply_chat_template: bool, tools: list[dict] | None, path: Path) -> None:
     """Validate and tokenize `file` batch by batch into the Arrow IPC file `path` (atomically)."""
     fields = [pa.field("prompt_ids", pa.list_(pa.int32())), pa.field("data_source", pa.string()),
               pa.field("ground_truth", pa.string())]
@@ -150,7 +152,7 @@ def _build(file: str, tokenizer, apply_chat_template: bool, path: Path) -> None:
         with pa.OSFile(str(partial), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
             start = 0
             for batch, rows in checked_batches(file):
-                ids = unchecked_prompt_ids([row["prompt"] for row in rows], tokenizer, apply_chat_template)
+                ids = unchecked_prompt_ids([row["prompt"] for row in rows], tokenizer, apply_chat_template, tools)
                 doubled += [start + i for i, row_ids in enumerate(ids) if bos is not None and row_ids[:2] == [bos, bos]]
                 columns = [pa.array(ids, pa.list_(pa.int32())),
                            pa.array([row["data_source"] for row in rows], pa.string()),

@@ -9,9 +9,9 @@
 - multiplication: "a*b" with a, b in [10, max_operand], as a chat message; the answer is the product
   (data_source "arithmetic": the first number of the last assistant turn must be it). The agent quick
   start's task: a tiny model cannot multiply reliably, but can with the calculator tool. Each row's
-  extra_info["answer"] is a supervised warm start's target, rendered with a model's chat template
-  (--tokenizer): for a `tool_share` of the rows the tool-use trace (a calculator call, its result, the
-  answer), for the others the answer alone.
+  extra_info["turns"] is a supervised warm start's target as chat messages, which SFT renders with the
+  model's chat template and the run's tools (`megarl.trainer.sft`): for a `tool_share` of the rows the
+  tool-use trace (a calculator call, its result, the answer), for the others the answer alone.
 
 Train and test never share a question. Generation is deterministic in `seed`.
 
@@ -24,8 +24,6 @@ import argparse
 import json
 import random
 from pathlib import Path
-
-from transformers import AutoTokenizer
 
 from megarl.data.dataset import write_rows
 
@@ -118,36 +116,29 @@ def make_countdown(num_train: int, num_test: int, seed: int, out_dir: str | Path
     return _write_split(rows, num_test, out_dir)
 
 
-def make_multiplication(num_train: int, num_test: int, seed: int, tokenizer_dir: str | Path, tool_share: float,
-                        max_operand: int = 99, *, out_dir: str | Path) -> tuple[str, str]:
+def make_multiplication(num_train: int, num_test: int, seed: int, tool_share: float, max_operand: int = 99, *,
+                        out_dir: str | Path) -> tuple[str, str]:
     """Write "a*b" tasks with warm-start targets (see the module docstring) to out_dir/{train,test}.parquet."""
     _check_counts(num_train, num_test)
     operands = range(10, max_operand + 1)
     if num_train + num_test > len(operands) ** 2:
         raise ValueError(f"max_operand={max_operand} gives only {len(operands) ** 2} distinct questions, "
                          f"{num_train + num_test} requested")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     rng = random.Random(seed)
     rows = []
     for pair in rng.sample(range(len(operands) ** 2), num_train + num_test):
         a, b = (operands[k] for k in divmod(pair, len(operands)))
-        question = [{"role": "user", "content": f"{a}*{b}"}]
         trace = _tool_trace(a, b) if rng.random() < tool_share else []
-        answer = _continuation(tokenizer, question, trace + [{"role": "assistant", "content": str(a * b)}])
-        rows.append(_row(question[0]["content"], "arithmetic", "arithmetic", str(a * b), {"answer": answer}))
+        turns = trace + [{"role": "assistant", "content": str(a * b)}]
+        rows.append(_row(f"{a}*{b}", "arithmetic", "arithmetic", str(a * b), {"turns": turns}))
     return _write_split(rows, num_test, out_dir)
 
 
 def _tool_trace(a: int, b: int) -> list[dict]:
     """A calculator call (the Hermes/Qwen <tool_call> convention of megarl.agent) and its result."""
     call = json.dumps({"name": "calculator", "arguments": {"expression": f"{a}*{b}"}}, separators=(",", ":"))
-    return [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"}, {"role": "tool", "content": str(a * b)}]
-
-
-def _continuation(tokenizer, opening: list[dict], turns: list[dict]) -> str:
-    """What the chat template writes after the opening's generation prompt for `turns`."""
-    start = tokenizer.apply_chat_template(opening, tokenize=False, add_generation_prompt=True)
-    return tokenizer.apply_chat_template(opening + turns, tokenize=False)[len(start):]
+    return [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+            {"role": "tool", "name": "calculator", "content": str(a * b)}]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -158,19 +149,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-test", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-operand", type=int, help="arithmetic (default 499) and multiplication (default 99)")
-    parser.add_argument("--tokenizer", help="multiplication: the model directory whose chat template renders the "
-                        "warm-start targets")
     parser.add_argument("--tool-share", type=float, default=0.5, help="multiplication: share of warm-start targets "
                         "that use the calculator")
     args = parser.parse_args(argv)
-    if args.task == "multiplication" and not args.tokenizer:
-        parser.error("--task multiplication needs --tokenizer (a model directory with a chat template)")
     if args.task == "arithmetic":
         paths = make_arithmetic(args.num_train, args.num_test, args.seed, args.max_operand or 499,
                                 out_dir=args.out_dir)
     elif args.task == "multiplication":
-        paths = make_multiplication(args.num_train, args.num_test, args.seed, args.tokenizer, args.tool_share,
-                                    args.max_operand or 99, out_dir=args.out_dir)
+        paths = make_multiplication(args.num_train, args.num_test, args.seed, args.tool_share, args.max_operand or 99,
+                                    out_dir=args.out_dir)
     else:
         paths = make_countdown(args.num_train, args.num_test, args.seed, args.out_dir)
     print(f"wrote {paths[0]} ({args.num_train} rows) and {paths[1]} ({args.num_test} rows)")

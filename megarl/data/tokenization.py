@@ -8,7 +8,9 @@ and validation prompts, launchers/generate.py, SFT, the Megatron-vs-transformers
   Specials a post-processor would append (an EOS) are left out: a prompt is the start of a
   sequence the model goes on with, not a finished text.
 - Messages rendered by the tokenizer's chat template get no special tokens from the tokenizer: the
-  template writes those it wants (as transformers' `apply_chat_template(tokenize=True)` does).
+  template writes those it wants (as transformers' `apply_chat_template(tokenize=True)` does). With
+  `tools` (JSON schemas, `megarl.agent.tools.tool_schemas`), the template also writes its tools
+  preamble, as for the openings of multi-turn trajectories.
 - A response continues its prompt and gets no special tokens of its own.
 
 A prompt that starts with BOS twice (a text or template that holds one, plus the tokenizer's) is a
@@ -36,12 +38,12 @@ def special_prefix(tokenizer) -> list[int]:
                      f"surround the text's own ids ({full} vs {plain}); cannot tell which ones start a sequence")
 
 
-def render(prompt: PromptText, tokenizer, use_template: bool) -> str:
-    """The text of a prompt: the chat template with the generation prompt, or the raw text."""
+def render(prompt: PromptText, tokenizer, use_template: bool, tools: list[dict] | None = None) -> str:
+    """The text of a prompt: the chat template (offering `tools`) with the generation prompt, or the raw text."""
     if isinstance(prompt, str):
         return prompt
     if use_template:
-        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(prompt, tools=tools or None, add_generation_prompt=True, tokenize=False)
     return "\n".join(message["content"] for message in prompt)
 
 
@@ -57,10 +59,11 @@ def prompt_ids(prompts: list[PromptText], tokenizer, apply_chat_template: bool,
     return result
 
 
-def unchecked_prompt_ids(prompts: list[PromptText], tokenizer, apply_chat_template: bool) -> list[list[int]]:
+def unchecked_prompt_ids(prompts: list[PromptText], tokenizer, apply_chat_template: bool,
+                         tools: list[dict] | None = None) -> list[list[int]]:
     """`prompt_ids` without the doubled-BOS check, for a caller that checks many chunks as one whole."""
     use_template = uses_chat_template(tokenizer, apply_chat_template)
-    texts = [render(prompt, tokenizer, use_template) for prompt in prompts]
+    texts = [render(prompt, tokenizer, use_template, tools) for prompt in prompts]
     all_ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     prefix = special_prefix(tokenizer)
     return [list(ids) if use_template and not isinstance(prompt, str) else prefix + list(ids)

@@ -5,11 +5,11 @@ replica runs its block's trajectories turn by turn (`megarl.agent.trajectories`)
 first rank alone holds the environments (one per trajectory), as it alone scores: tools run once per
 trajectory, and its TP peers receive each turn's observation tokens in one broadcast over the
 replica. The openings (each trajectory's first messages rendered with its environment's tools, or
-the sample's own prompt when `reset` returns none) are what every later phase takes as the
+the sample's own prompt, rendered with the run's tools, when `reset` returns none) are what every later phase takes as the
 sequence's prompt, so they are gathered onto every rank once.
 
-An environment that returns a reward when it ends a trajectory gives its score; the reward function
-scores the last assistant turn of the others. Every rank then learns each trajectory's
+A trajectory's score comes from `rollout.multi_turn.reward` (`final_rewards`): its environment's
+reward, the reward function's score of its last assistant turn, or their sum. Every rank then learns each trajectory's
 score, length, finish reason and counts (turns, tool calls, tool errors) from `share_scores`, and the
 responses with their loss masks stay on their replica until `move_responses`, as single-turn ones.
 """
@@ -17,7 +17,6 @@ responses with their loss masks stay on their replica until `move_responses`, as
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import replace
 from typing import Callable
 
@@ -39,9 +38,9 @@ class MultiTurnRollouts:
     """Collects multi-turn rollouts; built once on every rank (it creates the replicas' process groups)."""
 
     def __init__(self, environment_for: Callable[[Prompt], Environment], tokenizer, engine_tp: int, limits: TurnLimits,
-                 max_prompt_length: int):
+                 max_prompt_length: int, reward_source: str):
         self.environment_for, self.tokenizer, self.engine_tp = environment_for, tokenizer, engine_tp
-        self.limits, self.max_prompt_length = limits, max_prompt_length
+        self.limits, self.max_prompt_length, self.reward_source = limits, max_prompt_length, reward_source
         self.end_of_turn_id = ChatRenderer(tokenizer, []).end_of_turn_id
         self.renderers: dict[str, ChatRenderer] = {}
         rank, self.replica_group = dist.get_rank(), None
@@ -58,7 +57,7 @@ class MultiTurnRollouts:
         """The collector `rollout.multi_turn` describes, on engines of `rollout.tp` ranks."""
         turns = rollout.multi_turn
         limits = TurnLimits(turns.max_turns, max_response_length, turns.max_tokens_per_turn)
-        return cls(load_environment(rollout), tokenizer, rollout.tp, limits, max_prompt_length)
+        return cls(load_environment(rollout), tokenizer, rollout.tp, limits, max_prompt_length, turns.reward)
 
     def _renderer(self, tools: list[dict]) -> ChatRenderer:
         key = json.dumps(tools, sort_keys=True)
@@ -108,7 +107,7 @@ class MultiTurnRollouts:
             rollouts.loss_masks[t.index] = t.loss_mask
         result, stats = None, {key: [] for key in TRAJECTORY_STATS}
         if is_leader and trajectories:
-            result = _scores(trajectories, rollouts.prompts, rewards)
+            result = final_rewards(trajectories, rollouts.prompts, rewards, self.reward_source)
             stats = {"turns": [t.num_turns for t in trajectories],
                      "tool_calls": [t.num_tool_calls for t in trajectories],
                      "tool_errors": [t.num_tool_errors for t in trajectories]}
@@ -120,13 +119,27 @@ class MultiTurnRollouts:
         return rollouts
 
 
-def _scores(trajectories: list[Trajectory], prompts: list[Prompt], rewards: RewardManager) -> RewardResult:
-    """The environment's reward where it gave one, else the reward function's score of the last turn."""
-    unrewarded = [t for t in trajectories if t.reward is None]
-    result = rewards.score([ScoringItem(prompts[t.index].data_source, t.final_text, prompts[t.index].ground_truth,
-                                        prompts[t.index].extra_info) for t in unrewarded])
-    scored = {t.index: k for k, t in enumerate(unrewarded)}
-    return RewardResult([t.reward if t.reward is not None else result.scores[scored[t.index]] for t in trajectories],
-                        {key: [values[scored[t.index]] if t.index in scored else math.nan for t in trajectories]
-                         for key, values in result.extra.items()},
-                        result.num_errors, result.num_timeouts, result.first_error)
+def final_rewards(trajectories: list[Trajectory], prompts: list[Prompt], rewards: RewardManager,
+                  source: str) -> RewardResult:
+    """Each trajectory's reward from `source` (rollout.multi_turn.reward): "environment", the reward its
+    environment gave when it ended it (0 for one cut by max_turns or the token budget, which no
+    environment judged); "function", the reward function's score of its last assistant turn; "sum", both
+    added. ValueError when an environment ended a trajectory without the reward `source` takes from it."""
+    if source == "function":
+        return _function_scores(trajectories, prompts, rewards)
+    given = [(t.reward if t.ended_by_environment else 0.0) for t in trajectories]
+    missing = next((t for t, reward in zip(trajectories, given) if reward is None), None)
+    if missing is not None:
+        raise ValueError(f"rollout.multi_turn.reward={source!r} takes the environment's reward, but the environment "
+                         f"of prompt {prompts[missing.index].index} (data_source {prompts[missing.index].data_source!r}) "
+                         "ended its trajectory with none; expected a float reward from its step(), or "
+                         "rollout.multi_turn.reward=function")
+    if source == "environment":
+        return RewardResult([float(reward) for reward in given])
+    result = _function_scores(trajectories, prompts, rewards)
+    return replace(result, scores=[reward + score for reward, score in zip(given, result.scores)])
+
+
+def _function_scores(trajectories: list[Trajectory], prompts: list[Prompt], rewards: RewardManager) -> RewardResult:
+    return rewards.score([ScoringItem(prompts[t.index].data_source, t.final_text, prompts[t.index].ground_truth,
+                                      prompts[t.index].extra_info) for t in trajectories])

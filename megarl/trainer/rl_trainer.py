@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+from megarl.agent.tools import tool_schemas
 from megarl.algorithms import (
     ADVANTAGE_ESTIMATORS,
     AdaptiveKLController,
@@ -72,11 +73,11 @@ class RLTrainer:
         config = self.config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        data = config.data
+        data, tools = config.data, tool_schemas(config.rollout.multi_turn)
         self.train_data = PromptDataset(data.train_files, self.tokenizer, data.max_prompt_length,
-                                        data.apply_chat_template)
+                                        data.apply_chat_template, tools=tools)
         self.val_data = (PromptDataset(data.val_files, self.tokenizer, data.max_prompt_length,
-                                       data.apply_chat_template) if data.val_files else None)
+                                       data.apply_chat_template, tools=tools) if data.val_files else None)
         if self.layout.rank == 0:
             validation = f"; validation: {self.val_data.describe()}" if self.val_data is not None else ""
             print(f"training data: {self.train_data.describe()}{validation}", flush=True)

@@ -1,9 +1,14 @@
 """Supervised fine-tuning on the RL data layout: a warm start for RL.
 
-Each prompt is followed by its reference response (`extra_info["answer"]` when the data has one,
-else the ground truth) and the end-of-text token. The prompt is tokenized as RL and generation
-tokenize it (its special tokens included); the response continues it, so it gets none. The loss
-is the token-mean negative log-likelihood of the response tokens. The result is exported as a HF
+Each prompt is followed by its reference response: a multi-turn trace (`extra_info["turns"]`:
+assistant messages with tool results between them) rendered as the tokens a multi-turn rollout of
+it holds (`ChatRenderer.continuation`); else the text of `extra_info["answer"]` when the data has one,
+else the ground truth, and the end-of-text token. The prompt is tokenized as RL and generation
+tokenize it (its special tokens included, and with `rollout.multi_turn.enable` the tools preamble of
+`rollout.multi_turn.tools`, so the warm start and the RL run after it see the same opening); the
+response continues it, so it gets none. The loss is the token-mean negative log-likelihood of the
+model's tokens of the response: all of a text answer, the assistant turns of a trace (their contents
+and end-of-turn tokens), not the tool results and turn headers between them (the loss mask, as in RL). The result is exported as a HF
 checkpoint in `<run_dir>/hf`, ready to be `model.path` of an RL run.
 """
 
@@ -11,11 +16,13 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer
 
+from megarl.agent.rendering import ChatRenderer
+from megarl.agent.tools import tool_schemas
 from megarl.algorithms import aggregate
 from megarl.data.dataset import Prompt
 from megarl.data.prompt_dataset import PromptDataset
 from megarl.data.sampler import ResumableSampler
-from megarl.data.tokenization import continuation_ids
+from megarl.data.tokenization import continuation_ids, uses_chat_template
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.batching import balance_over_data_parallel
 from megarl.engine.megatron_engine import MegatronEngine
@@ -24,10 +31,31 @@ from megarl.tracking import Tracker
 from megarl.trainer.startup import Run
 
 
-def response_ids(prompt: Prompt, tokenizer, max_response_length: int) -> list[int]:
-    """The reference response of `prompt` as ids, cut to leave room for the end-of-text token."""
+def reference_response(prompt: Prompt, tokenizer, renderer: ChatRenderer | None,
+                       max_response_length: int) -> tuple[list[int], list[int]]:
+    """The reference response of `prompt` as ids and its loss mask: its trace rendered by `renderer`
+    (None: the data are not rendered with a chat template) cut to `max_response_length`, or its text cut
+    to leave room for the end-of-text token, all of it learned."""
+    turns = prompt.extra_info.get("turns") if prompt.extra_info else None
+    if turns:
+        if renderer is None:
+            raise ValueError(f"data.train_files prompt {prompt.index}: extra_info.turns needs a chat template "
+                             "(data.apply_chat_template=true and a tokenizer with one)")
+        try:  # parquet fills a message's absent fields (a tool's name) with None
+            ids, loss_mask = renderer.continuation([{k: v for k, v in m.items() if v is not None} for m in turns])
+        except ValueError as error:
+            raise ValueError(f"data.train_files prompt {prompt.index}, extra_info.turns: {error}") from None
+        return ids[:max_response_length], loss_mask[:max_response_length]
     text = prompt.extra_info.get("answer", prompt.ground_truth) if prompt.extra_info else prompt.ground_truth
-    return continuation_ids(str(text), tokenizer)[: max_response_length - 1] + [tokenizer.eos_token_id]
+    ids = continuation_ids(str(text), tokenizer)[: max_response_length - 1] + [tokenizer.eos_token_id]
+    return ids, [1] * len(ids)
+
+
+def sft_batch(prompts: list[Prompt], references: list[tuple[list[int], list[int]]], pad_token_id: int) -> SequenceBatch:
+    """The batch of `prompts` followed by their `references` (ids, loss mask): the loss mask is the
+    batch's response mask, which the loss averages over."""
+    return SequenceBatch.from_sequences([prompt.prompt_ids for prompt in prompts], [ids for ids, _ in references],
+                                        pad_token_id, loss_masks=[loss_mask for _, loss_mask in references])
 
 
 def negative_log_likelihood(outputs, micro_batch, normalizer):
@@ -41,10 +69,13 @@ class SFTTrainer:
         self.config, self.layout, self.run_dir = run.config, run.layout, run.run_dir
         config = self.config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+        tools = tool_schemas(config.rollout.multi_turn)
         self.data = PromptDataset(config.data.train_files, self.tokenizer, config.data.max_prompt_length,
-                                  config.data.apply_chat_template)
-        self.responses = [response_ids(prompt, self.tokenizer, config.data.max_response_length)
-                          for prompt in self.data]
+                                  config.data.apply_chat_template, tools=tools)
+        renderer = (ChatRenderer(self.tokenizer, tools)
+                    if uses_chat_template(self.tokenizer, config.data.apply_chat_template) else None)
+        self.references = [reference_response(prompt, self.tokenizer, renderer, config.data.max_response_length)
+                           for prompt in self.data]
         self.sampler = ResumableSampler(len(self.data), config.data.train_batch_size, config.trainer.seed,
                                         shuffle=config.data.shuffle)
         run.save_config()
@@ -57,10 +88,10 @@ class SFTTrainer:
 
     def batch(self, indices: list[int]) -> SequenceBatch:
         """This DP rank's share of the examples `indices`, balanced by tokens over the DP ranks."""
-        lengths = [len(self.data[i].prompt_ids) + len(self.responses[i]) for i in indices]
+        lengths = [len(self.data[i].prompt_ids) + len(self.references[i][0]) for i in indices]
         share = [indices[k] for k in balance_over_data_parallel(lengths, self.layout.dp)[self.layout.dp_rank]]
-        return SequenceBatch.from_sequences([self.data[i].prompt_ids for i in share],
-                                            [self.responses[i] for i in share], self.tokenizer.pad_token_id or 0)
+        return sft_batch([self.data[i] for i in share], [self.references[i] for i in share],
+                         self.tokenizer.pad_token_id or 0)
 
     def fit(self) -> None:
         for step in self.tracker.progress(range(1, self.config.trainer.total_steps + 1)):

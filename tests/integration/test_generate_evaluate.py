@@ -77,7 +77,7 @@ def test_generate_writes_trajectories_that_evaluate_scores(tiny_models, tmp_path
     assert_succeeded(_run("launchers/generate.py", "--model", tiny_models["qwen2-tied"], "--data", test,
                           "--max-response-length", 40, "--reward-function", REWARD, "--output", trajectories,
                           "--backend", "hf", "-n", 2, "--temperature", 1.0, "--multi-turn", "--max-turns", 2,
-                          "--max-tokens-per-turn", 6, "--environment",
+                          "--max-tokens-per-turn", 6, "--multi-turn-reward", "function", "--environment",
                           f"{ROOT / 'tests/integration/user_environment.py'}:AnswerEveryTurn"))
     rows = [json.loads(line) for line in trajectories.read_text().splitlines()]
     assert len(rows) == 6

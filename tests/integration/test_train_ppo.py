@@ -1,5 +1,5 @@
 """The real launchers for a few steps: PPO with a critic at TP2xPP2xDP2 against TP1, multi-turn GRPO with a
-KL loss at DP1 and DP2, on-policy distillation at PP2, multi-turn PRIME at TP2 (actor and rollout engine). (PPO with a critic at TP2 and its
+KL loss at DP2 and at PP2 (actor.pp=2) against DP1, on-policy distillation at PP2, multi-turn PRIME at TP2 (actor and rollout engine). (PPO with a critic at TP2 and its
 validation, curves and config in mlflow: test_checkpoint_resume.py's uninterrupted runs.)
 
 Each run logs to a local mlflow store, which the test reads back with mlflow's own client.
@@ -29,7 +29,7 @@ USER_REWARD = f"{ROOT / 'tests/integration/user_reward.py'}:compute_score"
 # Trajectories of 3 model turns of at most 8 tokens, each of the first two answered by the environment with
 # a user message (ANSWERED, at most 26 tokens; one fewer after a turn that ends with <|im_end|>): at most 76.
 ANSWERED = "<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n"
-MULTI_TURN = ["rollout.multi_turn.enable=true", "rollout.multi_turn.max_turns=3",
+MULTI_TURN = ["rollout.multi_turn.enable=true", "rollout.multi_turn.max_turns=3", "rollout.multi_turn.reward=function",
               "rollout.multi_turn.max_tokens_per_turn=8", "data.max_response_length=76", "data.max_prompt_length=32",
               f"rollout.multi_turn.environment={ROOT / 'tests/integration/user_environment.py'}:AnswerEveryTurn",
               "trainer.total_steps=3"]
@@ -96,42 +96,54 @@ def test_ppo_at_tp2_pp2_dp2_matches_tp1(tiny_models, arithmetic, tmp_path):
         assert three_d[metric] == pytest.approx(reference[metric], rel=1e-5, abs=1e-6), metric
 
 
-def test_grpo_variants_give_the_same_run_at_dp1_and_dp2(tiny_models, arithmetic, tmp_path, monkeypatch):
-    # Multi-turn trajectories with a KL loss, truncated IS, DAPO group filtering and overlong shaping, a
-    # Megatron reward model added to a user reward function loaded by path, which counts its calls.
-    runs = {}
-    for dp in (1, 2):
-        calls = tmp_path / f"calls_dp{dp}"
-        calls.mkdir()
+def _grpo_variants(tiny_models, arithmetic, out, nproc, layout):
+    """Multi-turn trajectories with a KL loss, truncated IS, DAPO group filtering and overlong shaping, a
+    Megatron reward model added to a user reward function loaded by path, which counts its calls; checked
+    run on its own. Returns its run directory."""
+    calls = out / "calls"
+    calls.mkdir(parents=True)
+    with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setenv("MEGARL_TEST_REWARD_CALLS", str(calls))
-        out = tmp_path / f"dp{dp}"
-        result = torchrun(dp, ROOT / "launchers/train_ppo.py", "--config", "configs/quickstart.yaml",
+        result = torchrun(nproc, ROOT / "launchers/train_ppo.py", "--config", "configs/quickstart.yaml",
                           *_overrides(tiny_models["qwen3-tied"], arithmetic, out, "actor.use_kl_loss=true",
                                       "actor.loss_agg_mode=seq-mean-token-mean", "actor.tis_cap=2.0",
                                       "actor.clip_ratio_high=0.28", "algorithm.filter_groups=true",
                                       "algorithm.overlong_buffer_length=2",
                                       f"reward.reward_model_path={tiny_models['qwen2-value']}",
-                                      f"reward.function={USER_REWARD}", *MULTI_TURN),
+                                      f"reward.function={USER_REWARD}", *MULTI_TURN, *layout),
                           timeout=600)
-        assert_succeeded(result)
-        runs[dp] = out / "quickstart_grpo"
-        _check_trajectories(runs[dp], "quickstart_grpo", tiny_models["qwen3-tied"])
-        # Every trajectory is scored exactly once: 4 prompts x 8 samples per filter round, and 8
-        # validation prompts x 1 sample before training and after the last step.
-        rounds = _values(runs[dp], "quickstart_grpo", "rollout/filter_rounds")
-        num_calls = sum(len(f.read_text().splitlines()) for f in calls.iterdir())
-        assert num_calls == 4 * 8 * sum(rounds) + 2 * 8, (dp, rounds, num_calls)
+    assert_succeeded(result)
+    run_dir = out / "quickstart_grpo"
+    _check_trajectories(run_dir, "quickstart_grpo", tiny_models["qwen3-tied"])
+    # Every trajectory is scored exactly once: 4 prompts x 8 samples per filter round, and 8
+    # validation prompts x 1 sample before training and after the last step.
+    rounds = _values(run_dir, "quickstart_grpo", "rollout/filter_rounds")
+    num_calls = sum(len(f.read_text().splitlines()) for f in calls.iterdir())
+    assert num_calls == 4 * 8 * sum(rounds) + 2 * 8, (layout, rounds, num_calls)
     for metric in ("actor/kl_loss", "mismatch/kl", "rollout/filter_rounds", "actor/grad_norm", "reward/length"):
-        assert _logged(runs[2], "quickstart_grpo", metric) == [1, 2, 3], metric
-    # The same seed gives the same trajectories, rewards and per-step losses at DP1 and DP2.
+        assert _logged(run_dir, "quickstart_grpo", metric) == [1, 2, 3], metric
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def grpo_variants_at_dp1(tiny_models, arithmetic, tmp_path_factory):
+    """The reference run of the multi-turn GRPO variants, on 1 process (shared by the layouts compared to it)."""
+    return _grpo_variants(tiny_models, arithmetic, tmp_path_factory.mktemp("dp1"), 1, [])
+
+
+@pytest.mark.parametrize("nproc, layout", [(2, []), (2, ["actor.pp=2"])], ids=["dp2", "pp2"])
+def test_multi_turn_grpo_variants_give_the_run_at_dp1(tiny_models, arithmetic, tmp_path, grpo_variants_at_dp1,
+                                                      nproc, layout):
+    run_dir = _grpo_variants(tiny_models, arithmetic, tmp_path, nproc, layout)
+    # The same seed gives the same trajectories, rewards and per-step losses at DP1, DP2 and PP2.
     for metric in ("reward/function_mean", "reward/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm",
                    "agent/model_tokens", "mismatch/logprob_abs_diff_max"):
-        dp1, dp2 = (_values(runs[dp], "quickstart_grpo", metric) for dp in (1, 2))
-        assert dp1 == pytest.approx(dp2, rel=1e-4, abs=1e-6), metric
+        reference, other = (_values(run, "quickstart_grpo", metric) for run in (grpo_variants_at_dp1, run_dir))
+        assert other == pytest.approx(reference, rel=1e-4, abs=1e-6), metric
     # The pieces' effects on the batch and loss are checked on real tensors in tests/unit/trainer
     # (test_scores.py: group filtering, reward model, overlong penalty; test_losses.py: truncated IS);
     # here: the reward model's scores reach the rewards, on top of the function's 0/1 parity scores.
-    total, function = (_values(runs[2], "quickstart_grpo", m) for m in ("reward/mean", "reward/function_mean"))
+    total, function = (_values(run_dir, "quickstart_grpo", m) for m in ("reward/mean", "reward/function_mean"))
     assert all(0 <= f <= 1 for f in function) and all(abs(t - f) > 1e-6 for t, f in zip(total, function))
 
 

@@ -1,13 +1,19 @@
 """A trajectory assembled from the renderer's pieces (opening, model turns as sampled, observations) is
 the chat template's own rendering of the same messages, token for token, with and without a BOS token;
-where the model stops on EOS instead of the end-of-turn token, its EOS stays and the closing follows."""
+where the model stops on EOS instead of the end-of-turn token, its EOS stays and the closing follows; a
+trajectory's opening is the template's rendering with the run's tool schemas."""
 
 from __future__ import annotations
 
 import pytest
 
 import make_tiny_model
+from megarl.agent.environment import ToolEnvironment
 from megarl.agent.rendering import ChatRenderer
+from megarl.agent.toolbox import Toolbox
+from megarl.agent.tools import load_tools, tool_schemas
+from megarl.config.schema import MultiTurnConfig
+from megarl.data import PromptDataset, write_rows
 
 TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
 OPENING = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 123*45?"}]
@@ -45,3 +51,20 @@ def test_a_turn_stopped_by_eos_keeps_it_and_gets_the_whole_closing():
     assert tokenizer.decode(turn[-1:] + observation) == (
         "<|endoftext|><|im_end|>\n<|im_start|>user\n<tool_response>\n5535\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("bos", [False, True])
+def test_openings_carry_the_tools_preamble_of_the_tool_schemas(bos, tmp_path):
+    # The default environment keeps the sample's prompt, which the data loader renders with the run's
+    # tools; an environment's own opening is rendered with its tools: both are the template's own ids.
+    tokenizer = make_tiny_model.make_tokenizer(bos)
+    config = MultiTurnConfig(enable=True, tools=["calculator"])
+    schemas = tool_schemas(config)
+    toolbox = Toolbox(load_tools(config), config.tool_timeout_seconds, config.max_tool_output_chars)
+    data = write_rows([{"prompt": OPENING, "data_source": "arithmetic", "reward_model": {"ground_truth": "5535"}}],
+                      tmp_path / "data.parquet")
+    expected = tokenizer.apply_chat_template(OPENING, tools=schemas, add_generation_prompt=True)["input_ids"]
+    assert "Tools: calculator" in tokenizer.decode(expected)
+    assert PromptDataset([str(data)], tokenizer, 128, cache_dir=tmp_path, tools=schemas)[0].prompt_ids == expected
+    assert ChatRenderer(tokenizer, ToolEnvironment(toolbox).tools).opening(OPENING) == expected
+    assert tool_schemas(MultiTurnConfig(enable=False, tools=["calculator"])) == []

@@ -1,7 +1,7 @@
 """The turn loop on a real engine (plain transformers, a tiny random Qwen2) with an environment that
 answers every turn with a tool message, checked against independent computations: the template's
 rendering of the recorded messages, an HF forward pass for the log-probs, and a lone generation of one
-trajectory for its seeds."""
+trajectory for its seeds; and the final reward of each rollout.multi_turn.reward source, on such trajectories."""
 
 from __future__ import annotations
 
@@ -9,13 +9,17 @@ from dataclasses import dataclass, field
 from itertools import groupby
 
 import make_tiny_model
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from megarl.agent.rendering import ChatRenderer
 from megarl.agent.trajectories import Trajectory, TurnLimits, run_turns
+from megarl.data.dataset import Prompt
+from megarl.rewards.manager import RewardManager
 from megarl.rollout.base import Sampling
 from megarl.rollout.hf_backend import HFRollout
+from megarl.trainer.multi_turn import final_rewards
 
 TOOLS = [{"type": "function", "function": {"name": "echo"}}]
 MAX_RESPONSE = 140  # an observation takes ~55 tokens (characters)
@@ -30,39 +34,47 @@ class Observation:  # the fields of megarl.agent.environment.Observation
 
 
 class EchoEnvironment:
-    """Answers the first turn with its length; ends the trajectory with reward 7 after the second."""
+    """Answers the first turn with its length; ends the trajectory with `reward` after the second."""
 
     tools = TOOLS
 
-    def __init__(self):
-        self.turns = 0
+    def __init__(self, reward: float | None = 7.0):
+        self.turns, self.reward = 0, reward
 
     def step(self, text: str) -> Observation:
         self.turns += 1
         if self.turns == 2:
-            return Observation([], reward=7.0, done=True, info={"tool_calls": 0})
+            return Observation([], reward=self.reward, done=True, info={"tool_calls": 0})
         return Observation([{"role": "tool", "content": f"{len(text)} chars"}], info={"tool_calls": 1, "tool_errors": 1})
 
 
-def _run(engine, renderer, indices, sampling, max_turns):
+@pytest.fixture(scope="module")
+def engine(tiny_models):
+    return HFRollout(str(tiny_models["qwen2-tied"]), "float32")
+
+
+def _stop_early(renderer, tokenizer, seed=11):
+    # A random model rarely samples <|im_end|>: ten stop characters end its turns early.
+    stops = tuple(tokenizer.convert_tokens_to_ids(list("aeiouAEIOU"))) + (renderer.end_of_turn_id,)
+    return Sampling(temperature=1.0, stop_token_ids=stops, seed=seed)
+
+
+def _run(engine, renderer, indices, sampling, max_turns, reward=7.0):
     opening = [{"role": "user", "content": "Say something."}]
     trajectories = [Trajectory(i, renderer.opening(opening), messages=list(opening)) for i in indices]
-    seats = [(EchoEnvironment(), renderer) for _ in indices]
+    seats = [(EchoEnvironment(reward), renderer) for _ in indices]
     run_turns(trajectories, engine, sampling, TurnLimits(max_turns, MAX_RESPONSE), seats,
               share=lambda observations: observations)
     return trajectories
 
 
-def test_turns_are_kept_as_tokens_with_masks_and_the_engines_logprobs(tiny_models):
+def test_turns_are_kept_as_tokens_with_masks_and_the_engines_logprobs(tiny_models, engine):
     model_dir = str(tiny_models["qwen2-tied"])
     # The model's tokenizer as made (AutoTokenizer loads a Qwen2 directory's with Qwen2's byte-level
     # pre-tokenizer, which drops the character vocabulary's whitespace).
     tokenizer = make_tiny_model.make_tokenizer()
     renderer = ChatRenderer(tokenizer, TOOLS)
-    # A random model rarely samples <|im_end|>: ten stop characters end its turns early.
-    stops = tuple(tokenizer.convert_tokens_to_ids(list("aeiouAEIOU"))) + (renderer.end_of_turn_id,)
-    sampling = Sampling(temperature=1.0, stop_token_ids=stops, seed=11)
-    engine = HFRollout(model_dir, "float32")
+    sampling = _stop_early(renderer, tokenizer)
     trajectories = _run(engine, renderer, range(4), sampling, max_turns=4)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     for t in trajectories:
@@ -98,3 +110,35 @@ def test_turns_are_kept_as_tokens_with_masks_and_the_engines_logprobs(tiny_model
     # Each trajectory samples its own seeds: alone, trajectory 2 is generated token for token the same.
     alone = _run(engine, renderer, [2], sampling, max_turns=4)[0]
     assert alone.response_ids == trajectories[2].response_ids and alone.loss_mask == trajectories[2].loss_mask
+
+
+def _length_score(data_source, solution_str, ground_truth, extra_info=None):
+    return len(solution_str) / 10
+
+
+def test_the_final_reward_comes_from_the_source_rollout_multi_turn_reward_names(engine):
+    # Trajectories 0-3 play two turns and the environment ends them with reward 7 (unless the budget ran out
+    # first); 4-5 are cut by max_turns=1 before the environment judges them: its reward is 0 for them.
+    tokenizer = make_tiny_model.make_tokenizer()
+    renderer = ChatRenderer(tokenizer, TOOLS)
+    sampling = _stop_early(renderer, tokenizer)
+    trajectories = _run(engine, renderer, range(4), sampling, 4) + _run(engine, renderer, [4, 5], sampling, 1)
+    ended = [t.num_turns == 2 and not t.truncated for t in trajectories]
+    assert ended[:4].count(True) >= 2 and ended[4:] == [False, False]
+    environment = [7.0 if e else 0.0 for e in ended]
+    function = [len(t.final_text) / 10 for t in trajectories]  # the last assistant turn's text
+    assert function == [len(t.messages[-1]["content"]) / 10 for t in trajectories]
+    prompts = [Prompt([], "arithmetic", "", {}, 100 + i) for i in range(6)]
+    rewards = RewardManager(_length_score)
+    expected = {"environment": environment, "function": function,
+                "sum": [e + f for e, f in zip(environment, function)]}
+    for source, scores in expected.items():
+        assert final_rewards(trajectories, prompts, rewards, source).scores == pytest.approx(scores, abs=1e-12), source
+    # An environment that ends a trajectory without a reward cannot give one to take.
+    silent = _run(engine, renderer, range(4), sampling, 4, reward=None)
+    assert any(t.ended_by_environment for t in silent)
+    for source in ("environment", "sum"):
+        with pytest.raises(ValueError, match=r"rollout.multi_turn.reward='%s'.*prompt 10\d .*with none" % source):
+            final_rewards(silent, prompts, rewards, source)
+    assert final_rewards(silent, prompts, rewards, "function").scores == pytest.approx(
+        [len(t.final_text) / 10 for t in silent])

@@ -97,6 +97,8 @@ BAD_CONFIGS = [
         ">= 1"),
     bad("multi-turn with router replay", None, [P, "rollout.multi_turn.enable=true", "actor.router_replay=true"],
         "'actor.router_replay' = True", "rollout.multi_turn.enable"),
+    bad("multi-turn reward source", None, [P, "rollout.multi_turn.reward=both"],
+        "'rollout.multi_turn.reward' = 'both'", "environment, function, sum"),
     bad("tool timeout zero", None, [P, "rollout.multi_turn.tool_timeout_seconds=0"],
         "'rollout.multi_turn.tool_timeout_seconds' = 0", "> 0"),
     bad("sandbox memory zero", None, [P, "rollout.multi_turn.sandbox.memory_mib=0"],

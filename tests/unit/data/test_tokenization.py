@@ -16,7 +16,7 @@ from tokenizers import processors
 from megarl.data import PromptDataset, write_rows
 from megarl.data.tokenization import prompt_ids
 from megarl.engine.parity import tokenize
-from megarl.trainer.sft import response_ids
+from megarl.trainer.sft import reference_response
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "checkpoints_tools"))
 import make_tiny_model  # noqa: E402
@@ -51,7 +51,7 @@ def test_prompts_carry_the_tokenizers_bos_once(tokenizer, tmp_path):
     assert templated[1].prompt_ids == bos + _chars(tokenizer, "Q: 2+2=")  # a plain string is raw text
 
     # SFT: the response continues the prompt: BOS once, at the start of the whole sequence.
-    sequence = raw[0].prompt_ids + response_ids(raw[0], tokenizer, max_response_length=8)
+    sequence = raw[0].prompt_ids + reference_response(raw[0], tokenizer, None, max_response_length=8)[0]
     assert sequence == bos + _chars(tokenizer, "1+2=3") + [tokenizer.eos_token_id]
 
 
