@@ -22,9 +22,7 @@ import math
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
-from megarl.agent.tools import tool_schemas
 from megarl.algorithms import (
     ADVANTAGE_ESTIMATORS,
     AdaptiveKLController,
@@ -34,16 +32,15 @@ from megarl.algorithms import (
 )
 from megarl.checkpoint import Checkpointer
 from megarl.config.schema import EngineConfig
-from megarl.data.prompt_dataset import PromptDataset
-from megarl.data.sampler import ResumableSampler
 from megarl.engine.megatron_engine import MegatronEngine
-from megarl.rewards import RewardManager, load_scoring_function, token_level_scores
+from megarl.rewards import token_level_scores
 from megarl.rollout import Sampling
 from megarl.tracking import Tracker
 from megarl.trainer.contract import check_batch
 from megarl.trainer.curves import plot_curves
 from megarl.trainer.losses import actor_loss, critic_loss
 from megarl.trainer.multi_turn import MultiTurnRollouts
+from megarl.trainer.inputs import RunInputs, validation_prompts
 from megarl.trainer.metrics import (
     ShareStats,
     batch_stats,
@@ -71,19 +68,14 @@ class RLTrainer:
         them fails in seconds, before the models and the rollout engine are built."""
         self.config, self.layout, self.run_dir, self.world = run.config, run.layout, run.run_dir, run.world
         config = self.config
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+        inputs = RunInputs.open(config)
+        self.tokenizer, self.sampler, self.rewards = inputs.tokenizer, inputs.sampler, inputs.rewards
+        self.train_data, self.val_data = inputs.train_data, inputs.val_data
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        data, tools = config.data, tool_schemas(config.rollout.multi_turn)
-        self.train_data = PromptDataset(data.train_files, self.tokenizer, data.max_prompt_length,
-                                        data.apply_chat_template, tools=tools)
-        self.val_data = (PromptDataset(data.val_files, self.tokenizer, data.max_prompt_length,
-                                       data.apply_chat_template, tools=tools) if data.val_files else None)
+        data = config.data
         if self.layout.rank == 0:
             validation = f"; validation: {self.val_data.describe()}" if self.val_data is not None else ""
             print(f"training data: {self.train_data.describe()}{validation}", flush=True)
-        self.sampler = ResumableSampler(len(self.train_data), data.train_batch_size, config.trainer.seed,
-                                        shuffle=data.shuffle)
-        self.rewards = RewardManager(load_scoring_function(config.reward.function), config.reward.timeout_seconds)
         self.multi_turn = (MultiTurnRollouts.from_config(config.rollout, self.tokenizer, data.max_prompt_length,
                                                          data.max_response_length)
                            if config.rollout.multi_turn.enable else None)
@@ -353,8 +345,7 @@ class RLTrainer:
             return self.policy.validation(step)
         timer = PhaseTimer(step)
         self.policy.enter_rollout(step, timer)
-        limit = self.config.data.max_val_samples or len(self.val_data)
-        prompts = [self.val_data[i] for i in range(min(limit, len(self.val_data)))]
+        prompts = validation_prompts(self.val_data, self.config.data.max_val_samples)
         rollouts = self._collect(prompts, self._sampling(0, validation=True))
         self.policy.leave_rollout(timer, keep_weights=True)
         return validation_metrics(rollouts, self.config.rollout.val_n)

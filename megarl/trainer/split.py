@@ -35,18 +35,17 @@ import logging
 import time
 
 import torch
-from transformers import AutoTokenizer
 
 from megarl.config.schema import RunConfig
 from megarl.data.prompt_dataset import PromptDataset
-from megarl.data.sampler import ResumableSampler
 from megarl.distributed.layout import ParallelLayout
 from megarl.distributed.split_world import SplitWorld
 from megarl.models.architecture import Architecture
 from megarl.resharding.cross_group import CrossGroupSync
 from megarl.resharding.executor import SyncStats
-from megarl.rewards import RewardFunctionError, RewardManager, load_scoring_function
+from megarl.rewards import RewardFunctionError
 from megarl.rollout import ROLLOUT_BACKENDS
+from megarl.trainer.inputs import RunInputs, validation_prompts
 from megarl.trainer.metrics import sync_metrics
 from megarl.trainer.rollouts import Rollouts, collect_rollouts, move_responses, rollout_sampling
 from megarl.trainer.timing import PhaseTimer
@@ -110,15 +109,10 @@ class RolloutWorker:
 
     def __init__(self, config: RunConfig, world: SplitWorld):
         self.config, self.world = config, world
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+        inputs = RunInputs.open(config)
+        self.tokenizer, self.sampler, self.rewards = inputs.tokenizer, inputs.sampler, inputs.rewards
+        self.train_data, self.val_data = inputs.train_data, inputs.val_data
         data = config.data
-        self.train_data = PromptDataset(data.train_files, self.tokenizer, data.max_prompt_length,
-                                        data.apply_chat_template)
-        self.val_data = (PromptDataset(data.val_files, self.tokenizer, data.max_prompt_length,
-                                       data.apply_chat_template) if data.val_files else None)
-        self.sampler = ResumableSampler(len(self.train_data), data.train_batch_size, config.trainer.seed,
-                                        shuffle=data.shuffle)
-        self.rewards = RewardManager(load_scoring_function(config.reward.function), config.reward.timeout_seconds)
         rollout = config.rollout
         self.engine = ROLLOUT_BACKENDS.get(rollout.backend)(
             config.model.path, dtype=config.model.dtype, tensor_parallel_size=rollout.tp,
@@ -187,8 +181,7 @@ class RolloutWorker:
 
     def _validate(self, step: int) -> None:
         self._sync_to(step)
-        limit = self.config.data.max_val_samples or len(self.val_data)
-        prompts = [self.val_data[i] for i in range(min(limit, len(self.val_data)))]
+        prompts = validation_prompts(self.val_data, self.config.data.max_val_samples)
         sampling = rollout_sampling(self.config, self.tokenizer.eos_token_id, 0, validation=True)
         rollouts = collect_rollouts(prompts, self.engine, sampling, self.config.rollout.tp, self.tokenizer,
                                     self.rewards)
