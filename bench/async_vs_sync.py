@@ -126,7 +126,7 @@ def run_contender(contender: Contender, model: Path, args: argparse.Namespace) -
     log = directory / f"{contender.experiment}.log"
     command = torchrun(contender.nproc) + [
         "launchers/train_ppo.py", "--config", "configs/quickstart.yaml", f"model.path={model}",
-        f"trainer.total_steps={args.steps}", f"trainer.test_freq={args.eval_every}", "trainer.seed=0",
+        f"trainer.total_steps={args.steps}", f"trainer.test_freq={args.eval_every}",
         f"trainer.output_dir={directory}", f"trainer.experiment_name={contender.experiment}",
         *contender.overrides()]
     start = time.perf_counter()
@@ -169,7 +169,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, nargs="+", default=[2], choices=[2, 4],
                         help="process counts to compare at (4 oversubscribes a 2-core machine)")
-    parser.add_argument("--steps", type=int, default=200, help="RL steps of every contender")
+    parser.add_argument("--steps", type=int, default=300, help="RL steps of every contender")
     parser.add_argument("--eval-every", type=int, default=25, help="held-out evaluation period, in steps")
     parser.add_argument("--warmup-steps", type=int, default=2, help="first steps left out of the per-step numbers")
     parser.add_argument("--threshold", type=float, default=0.5, help="held-out greedy accuracy")
