@@ -16,8 +16,9 @@ first --warmup-steps left out), the trainer's wait for a batch (`timing/wait_for
 rollout ranks' idle time (`timing/rollout_idle`) and generation time (`timing/rollout_generate`; the
 colocated run's `timing/rollout`) per step, the training seconds to the first evaluation at or above
 --threshold, and the final accuracy; ratios against colocated synchronous at the same process count.
-Every process runs one thread; logs and mlflow stores are under outputs/bench/async_vs_sync/, the
-numbers in outputs/bench/async_vs_sync/results.json.
+--override KEY=VALUE ... adds config overrides to every contender (e.g. actor.tis_cap=2). Every
+process runs one thread; each process count's logs, mlflow stores and numbers (results.json) are in
+outputs/bench/async_vs_sync/<N>proc[_<overrides>]/.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def table(results: list[Result], threshold: float, warmup: int) -> list[str]:
 def run_contender(contender: Contender, model: Path, args: argparse.Namespace) -> Result:
     from common import metric_history, torchrun
 
-    directory = OUT / f"{contender.nproc}proc"
+    directory = run_directory(contender.nproc, args.override)
     shutil.rmtree(directory / contender.experiment, ignore_errors=True)  # never read a previous run's metrics
     directory.mkdir(parents=True, exist_ok=True)
     log = directory / f"{contender.experiment}.log"
@@ -128,7 +129,7 @@ def run_contender(contender: Contender, model: Path, args: argparse.Namespace) -
         "launchers/train_ppo.py", "--config", "configs/quickstart.yaml", f"model.path={model}",
         f"trainer.total_steps={args.steps}", f"trainer.test_freq={args.eval_every}",
         f"trainer.output_dir={directory}", f"trainer.experiment_name={contender.experiment}",
-        *contender.overrides()]
+        *contender.overrides(), *args.override]
     start = time.perf_counter()
     with log.open("w") as file:
         status = subprocess.run(command, cwd=ROOT, stdout=file, stderr=subprocess.STDOUT,
@@ -148,9 +149,14 @@ def run_contender(contender: Contender, model: Path, args: argparse.Namespace) -
         history["val/score/mean"], wall)
 
 
+def run_directory(nproc: int, overrides: list[str]) -> Path:
+    """Where one process count's runs go; runs with overrides apart from the plain ones."""
+    return OUT / "_".join([f"{nproc}proc", *overrides])
+
+
 def report(results: list[Result], args: argparse.Namespace) -> None:
     print(f"\nGRPO on the quick start (16 prompts x 8 samples, <= 8 response tokens), {args.steps} steps, "
-          "1 thread per process")
+          f"1 thread per process{', ' + ' '.join(args.override) if args.override else ''}")
     print(f"tokens/s: prompt + response tokens over the seconds of the timed steps (first {args.warmup_steps} left "
           "out); wait s / idle s / gen s: mean seconds per step of the trainer's wait for a batch, the rollout "
           "ranks' idle time and their generation (colocated: its rollout phase); train s: training seconds, "
@@ -162,7 +168,9 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
     print(f"  {'step':26} " + " ".join(f"{s:>5}" for s in steps))
     for result in results:
         print(f"  {result.name:26} " + " ".join(f"{100 * a:5.1f}" for _, a in result.accuracy))
-    (OUT / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+    for nproc in args.nproc:
+        (run_directory(nproc, args.override) / "results.json").write_text(
+            json.dumps([asdict(r) for r in results if r.nproc == nproc], indent=1))
 
 
 def main() -> None:
@@ -173,6 +181,8 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=25, help="held-out evaluation period, in steps")
     parser.add_argument("--warmup-steps", type=int, default=2, help="first steps left out of the per-step numbers")
     parser.add_argument("--threshold", type=float, default=0.5, help="held-out greedy accuracy")
+    parser.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="config overrides for every contender, e.g. actor.tis_cap=2")
     args = parser.parse_args()
     if args.steps <= args.warmup_steps:
         sys.exit(f"--steps {args.steps}: none left after --warmup-steps {args.warmup_steps}")
