@@ -11,8 +11,8 @@ generating (`trainer.placement=split rollout.num_ranks=N/2`) at `trainer.max_sta
 Held-out greedy accuracy on the 500 test prompts before training, every --eval-every steps and at
 the end; evaluation is outside the timed steps.
 
-Per contender: tokens/s (prompt + response tokens trained over the seconds of the timed steps, the
-first --warmup-steps left out), the trainer's wait for a batch (`timing/wait_for_rollout`), the
+Per contender: tokens/s (response tokens trained, the loss's, over the seconds of the timed steps,
+the first --warmup-steps left out), the trainer's wait for a batch (`timing/wait_for_rollout`), the
 rollout ranks' idle time (`timing/rollout_idle`) and generation time (`timing/rollout_generate`; the
 colocated run's `timing/rollout`) per step, the training seconds to the first evaluation at or above
 --threshold, and the final accuracy; ratios against colocated synchronous at the same process count.
@@ -119,7 +119,7 @@ def table(results: list[Result], threshold: float, warmup: int) -> list[str]:
 
 
 def run_contender(contender: Contender, model: Path, args: argparse.Namespace) -> Result:
-    from common import metric_history, torchrun
+    from common import torchrun
 
     directory = run_directory(contender.nproc, args.override)
     shutil.rmtree(directory / contender.experiment, ignore_errors=True)  # never read a previous run's metrics
@@ -136,17 +136,29 @@ def run_contender(contender: Contender, model: Path, args: argparse.Namespace) -
                                 env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
     if status.returncode != 0:
         sys.exit(f"{contender.name} failed (exit {status.returncode}); see {log}")
-    wall = time.perf_counter() - start
-    history = metric_history(directory / contender.experiment / "mlflow.db", contender.experiment)
-    step_seconds = history["timing/step"]
+    return read_result(contender, directory, time.perf_counter() - start)
+
+
+def read_result(contender: Contender, directory: Path, wall_seconds: float) -> Result:
+    """A finished run's numbers from its mlflow store. Trained tokens are the responses' (the loss's
+    tokens): the mean response length times the step's sequences, exact at every layout, where
+    `throughput/tokens_per_s` sums each DP rank's tokens over its own step seconds."""
+    import yaml
+
+    from common import metric_history
+
+    run = directory / contender.experiment
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    sequences = config["data"]["train_batch_size"] * config["rollout"]["n"]
+    history = metric_history(run / "mlflow.db", contender.experiment, extra=("response_length/mean",))
     colocated = contender.staleness is None
     return Result(
-        contender.name, contender.nproc, colocated, step_seconds,
-        [rate * seconds for rate, seconds in zip(history["throughput/tokens_per_s"], step_seconds)],
+        contender.name, contender.nproc, colocated, history["timing/step"],
+        [sequences * length for length in history["response_length/mean"]],
         [] if colocated else history["timing/wait_for_rollout"],
         [] if colocated else history["timing/rollout_idle"],
         history["timing/rollout" if colocated else "timing/rollout_generate"],
-        history["val/score/mean"], wall)
+        history["val/score/mean"], wall_seconds)
 
 
 def run_directory(nproc: int, overrides: list[str]) -> Path:
@@ -157,7 +169,7 @@ def run_directory(nproc: int, overrides: list[str]) -> Path:
 def report(results: list[Result], args: argparse.Namespace) -> None:
     print(f"\nGRPO on the quick start (16 prompts x 8 samples, <= 8 response tokens), {args.steps} steps, "
           f"1 thread per process{', ' + ' '.join(args.override) if args.override else ''}")
-    print(f"tokens/s: prompt + response tokens over the seconds of the timed steps (first {args.warmup_steps} left "
+    print(f"tokens/s: response tokens trained over the seconds of the timed steps (first {args.warmup_steps} left "
           "out); wait s / idle s / gen s: mean seconds per step of the trainer's wait for a batch, the rollout "
           "ranks' idle time and their generation (colocated: its rollout phase); train s: training seconds, "
           "evaluation left out; x sync: against colocated synchronous at the same process count (tokens/s "
@@ -193,8 +205,8 @@ def main() -> None:
     results = []
     for nproc in args.nproc:
         if nproc > cores:
-            print(f"note: {nproc} processes on {cores} cores: the processes share cores, so generation and "
-                  "training cannot overlap in time", flush=True)
+            print(f"note: {nproc} processes on {cores} cores: generation and training share the cores, so "
+                  "overlapping them gains no compute here", flush=True)
         for contender in [Contender(nproc, None)] + [Contender(nproc, k) for k in STALENESS]:
             print(f"{contender.name}: {args.steps} steps ...", flush=True)
             results.append(run_contender(contender, model, args))

@@ -62,14 +62,15 @@ def launch(command: list[str], marker: str) -> object:
     return json.loads(lines[0].removeprefix(marker + " "))
 
 
-def metric_history(store: Path, experiment: str) -> dict[str, list]:
+def metric_history(store: Path, experiment: str, extra: tuple[str, ...] = ()) -> dict[str, list]:
     """Per-step values from a run's mlflow store, in step order: the step's seconds, its tokens per
-    second, every `timing/` phase it logged, and (step, value) pairs of the held-out accuracy."""
+    second, every `timing/` phase it logged, the `extra` metrics, and (step, value) pairs of the
+    held-out accuracy."""
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{store}")
     run_id = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])[0].info.run_id
-    keys = ["throughput/tokens_per_s"] + [k for k in client.get_run(run_id).data.metrics if k.startswith("timing/")]
+    keys = ["throughput/tokens_per_s", *extra] + [k for k in client.get_run(run_id).data.metrics if k.startswith("timing/")]
 
     def ordered(key: str) -> list:
         return sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)
