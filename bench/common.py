@@ -1,5 +1,6 @@
-"""What the benchmarks share: their ~30M-parameter Qwen2, and launching torchrun workers that report
-one marked JSON line. Benchmarks run as `python bench/X.py`, so this folder is first on sys.path."""
+"""What the benchmarks share: their ~30M-parameter Qwen2, the quick start's SFT checkpoint, launching
+torchrun workers that report one marked JSON line, and reading a run's metrics back from mlflow.
+Benchmarks run as `python bench/X.py`, so this folder is first on sys.path."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_MODEL = ROOT / "outputs/bench/qwen2_30m"
+QUICKSTART = ROOT / "outputs/quickstart"
 WORKER_ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
 
@@ -25,6 +27,27 @@ def ensure_bench_model() -> Path:
     return BENCH_MODEL
 
 
+def ensure_quickstart_model(log_dir: Path) -> Path:
+    """The quick start's SFT checkpoint (and its data), made as `make quickstart` makes them when missing;
+    the logs of making them go to `log_dir`."""
+    model = QUICKSTART / "quickstart_sft/hf"
+    if (model / "config.json").is_file():
+        return model
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print("making the quick start's SFT checkpoint (as `make quickstart` does) ...", flush=True)
+    for name, command in (
+            ("make_model", [sys.executable, "checkpoints_tools/make_tiny_model.py", "--family", "qwen2",
+                            "--out", str(QUICKSTART / "base")]),
+            ("make_data", [sys.executable, "-m", "megarl.data.synthetic", "--task", "arithmetic", "--out-dir",
+                           str(QUICKSTART / "data"), "--num-train", "20000", "--num-test", "500", "--seed", "0"]),
+            ("sft", torchrun(2) + ["launchers/train_sft.py", "--config", "configs/quickstart_sft.yaml"])):
+        output = subprocess.run(command, cwd=ROOT, env=WORKER_ENV, capture_output=True, text=True)
+        (log_dir / f"{name}.log").write_text(output.stdout + output.stderr)
+        if output.returncode != 0:
+            sys.exit(f"{' '.join(command)} failed (exit {output.returncode}); see {log_dir / name}.log")
+    return model
+
+
 def torchrun(nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
 
@@ -37,3 +60,21 @@ def launch(command: list[str], marker: str) -> object:
     if output.returncode != 0 or not lines:
         sys.exit(f"{' '.join(command)} failed:\n{output.stdout[-3000:]}\n{output.stderr[-5000:]}")
     return json.loads(lines[0].removeprefix(marker + " "))
+
+
+def metric_history(store: Path, experiment: str, extra: tuple[str, ...] = ()) -> dict[str, list]:
+    """Per-step values from a run's mlflow store, in step order: the step's seconds, its tokens per
+    second, every `timing/` phase it logged, the `extra` metrics, and (step, value) pairs of the
+    held-out accuracy."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{store}")
+    run_id = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])[0].info.run_id
+    keys = ["throughput/tokens_per_s", *extra] + [k for k in client.get_run(run_id).data.metrics if k.startswith("timing/")]
+
+    def ordered(key: str) -> list:
+        return sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)
+
+    history = {key: [m.value for m in ordered(key)] for key in keys}
+    history["val/score/mean"] = [(m.step, m.value) for m in ordered("val/score/mean")]
+    return history

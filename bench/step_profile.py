@@ -40,7 +40,6 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = ROOT / "outputs/quickstart"
 OUT = ROOT / "outputs/bench/step_profile"
 RANGE = "megarl phase: "
 MARKER = "STEP_PROFILE"
@@ -219,24 +218,6 @@ def run_logged(command: list[str], log: Path) -> str:
     return output.stdout
 
 
-def prepare() -> Path:
-    """The quick start's model, data and SFT warm start, made as `make quickstart` makes them when missing."""
-    from common import torchrun
-
-    model = QUICKSTART / "quickstart_sft/hf"
-    if (model / "config.json").is_file():
-        return model
-    OUT.mkdir(parents=True, exist_ok=True)
-    print("making the quick start's SFT checkpoint (as `make quickstart` does) ...", flush=True)
-    run_logged([sys.executable, "checkpoints_tools/make_tiny_model.py", "--family", "qwen2",
-                "--out", str(QUICKSTART / "base")], OUT / "make_model.log")
-    run_logged([sys.executable, "-m", "megarl.data.synthetic", "--task", "arithmetic", "--out-dir",
-                str(QUICKSTART / "data"), "--num-train", "20000", "--num-test", "500", "--seed", "0"],
-               OUT / "make_data.log")
-    run_logged(torchrun(2) + ["launchers/train_sft.py", "--config", "configs/quickstart_sft.yaml"], OUT / "sft.log")
-    return model
-
-
 def profile_run(nproc: int, prompts: int, samples: int, args) -> dict:
     from common import torchrun
 
@@ -301,7 +282,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(json.loads(args.worker), args.warmup, args.steps, args.profile_steps, args.top)
-    prepare()
+    from common import ensure_quickstart_model
+
+    ensure_quickstart_model(OUT)
     start = time.perf_counter()
     for prompts, samples in (map(int, shape.split("x")) for shape in args.shapes):
         for nproc in args.nproc:

@@ -40,7 +40,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from common import ROOT, ensure_bench_model, torchrun
+from common import ROOT, ensure_bench_model, metric_history, torchrun
 
 OUT = ROOT / "outputs/bench/trl_vs_megarl"
 BENCH_ENV = ROOT / ".venv-bench"
@@ -208,23 +208,6 @@ def run_megarl(setting: Setting, nproc: int) -> Contender:
     phases = {key.removeprefix("timing/"): statistics.mean(values[setting.warmup:]) for key, values in history.items()}
     return Contender(setting.size, setting.shape, "megarl GRPO", nproc, step_seconds, tokens, accuracy, wall, phases,
                      setting.warmup)
-
-
-def metric_history(store: Path, experiment: str) -> dict[str, list]:
-    """Per-step values from the run's mlflow store, in step order: the step's seconds, its tokens per
-    second, every `timing/` phase it logged, and (step, value) pairs of the held-out accuracy."""
-    import mlflow
-
-    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{store}")
-    run_id = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])[0].info.run_id
-    keys = ["throughput/tokens_per_s"] + [k for k in client.get_run(run_id).data.metrics if k.startswith("timing/")]
-
-    def ordered(key: str) -> list:
-        return sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)
-
-    history = {key: [m.value for m in ordered(key)] for key in keys}
-    history["val/score/mean"] = [(m.step, m.value) for m in ordered("val/score/mean")]
-    return history
 
 
 def target(contender: Contender) -> float:
