@@ -71,7 +71,6 @@ class SplitWorld:
 
 def join_split_world(num_rollout_ranks: int) -> SplitWorld:
     """Join torchrun's world as a trainer or a rollout rank (the last `num_rollout_ranks`)."""
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     configure_process()
     device.select_local_device()
     store, rank, world_size = next(dist.rendezvous("env://"))
