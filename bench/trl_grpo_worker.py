@@ -86,6 +86,8 @@ def main() -> None:
     for name in ("--steps", "--eval-every", "--prompts-per-step", "--samples", "--max-response-length", "--seed"):
         parser.add_argument(name, type=int, required=True)
     parser.add_argument("--lr", type=float, required=True)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), required=True,
+                        help="bfloat16: TRL's default mixed precision (bf16 autocast over fp32 weights)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -99,6 +101,7 @@ def main() -> None:
         num_generations=args.samples, max_completion_length=args.max_response_length, temperature=1.0,
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         beta=0.0, loss_type="dapo", scale_rewards="group",  # = megarl's grpo with token-mean, no KL
+        bf16=args.dtype == "bfloat16",
     )
     trainer = GRPOTrainer(model=model, reward_funcs=correct, args=config,
                           train_dataset=Dataset.from_dict(load_task(args.train)), processing_class=tokenizer,

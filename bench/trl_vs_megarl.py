@@ -5,10 +5,11 @@
 
 For every model size (--sizes) and step shape (--shapes, prompts x samples per step), three
 contenders train GRPO from the same checkpoint with the same prompts per step, samples per prompt,
-response length (<= 8 tokens), learning rate (constant), loss (token mean, no KL) and one optimizer
-step per batch: TRL's `GRPOTrainer` in one process (HF generate; installed only in the bench
-environment .venv-bench, created on first use from bench/requirements-trl.txt), megarl in one
-process and megarl in two (torchrun, colocated vLLM).
+response length (<= 8 tokens), learning rate (constant), loss (token mean, no KL), precision
+(--dtype: float32, or bfloat16 as in TRL's default bf16 autocast) and one optimizer step per batch:
+TRL's `GRPOTrainer` in one process (HF generate; installed only in the bench environment .venv-bench,
+created on first use from bench/requirements-trl.txt), megarl in one process and megarl in two
+(torchrun, colocated vLLM).
 
 Sizes: `1m`, the quick start's tiny Qwen2 (h128, 4 layers, head dim 32, 0.8M parameters),
 warm-started by megarl's SFT on the task; `30m`, the benchmarks' Qwen2 of bench/common.py (h512,
@@ -24,7 +25,7 @@ seconds), the ratio to TRL of the same size and shape, and the targets of issue 
 processes >= 2x TRL's tokens/s at 1 process on 1m, >= 2.5x on 30m; megarl at 1 process >= TRL
 everywhere); then every contender's mean seconds per phase and the learning curves. Everything is
 also written to outputs/bench/trl_vs_megarl/results.json. Every process runs one thread
-(OMP_NUM_THREADS=1); the logs of every run are under outputs/bench/trl_vs_megarl/<size>_<shape>/.
+(OMP_NUM_THREADS=1); the logs of every run are under outputs/bench/trl_vs_megarl/<size>_<shape>_<dtype>/.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ NUM_TEST = 500
 SHAPES = {"16x8": (16, 8), "8x8": (8, 8)}
 """Prompts x samples per step: the quick start's, and issue 19's."""
 TRL = "TRL GRPOTrainer"
+PRECISION = {"float32": "float32 throughout",
+             "bfloat16": "bfloat16 (TRL: bf16 autocast over fp32 weights, its default; megarl: bf16 weights, "
+                         "fp32 main weights and gradients in the optimizer, bf16 vLLM)"}
+"""--dtype: every contender's precision. TRL's GRPOConfig defaults to bf16 autocast; float32 turns it off."""
 CURVE = ("1m", "16x8")
 """The quick start's size and shape: the one combination that also measures the learning curve."""
 
@@ -154,6 +159,7 @@ class Setting:
     steps: int
     eval_every: int
     warmup: int
+    dtype: str
 
     @property
     def prompts(self) -> int:
@@ -165,7 +171,7 @@ class Setting:
 
     @property
     def directory(self) -> Path:
-        return OUT / f"{self.size}_{self.shape}"
+        return OUT / f"{self.size}_{self.shape}_{self.dtype}"
 
 
 def run_trl(setting: Setting) -> Contender:
@@ -174,7 +180,8 @@ def run_trl(setting: Setting) -> Contender:
                 "--train", str(setting.data / "train.parquet"), "--test", str(setting.data / "test.parquet"),
                 "--output", str(record), "--steps", str(setting.steps), "--eval-every", str(setting.eval_every),
                 "--prompts-per-step", str(setting.prompts), "--samples", str(setting.samples),
-                "--max-response-length", str(RESPONSE_LENGTH), "--lr", str(LR), "--seed", str(SEED)],
+                "--max-response-length", str(RESPONSE_LENGTH), "--lr", str(LR), "--seed", str(SEED),
+                "--dtype", setting.dtype],
                setting.directory / "trl.log")
     result = json.loads(record.read_text())
     timed = slice(setting.warmup, None)
@@ -197,7 +204,7 @@ def run_megarl(setting: Setting, nproc: int) -> Contender:
         f"data.train_batch_size={setting.prompts}", f"actor.ppo_mini_batch_size={setting.prompts}",
         f"actor.micro_batch_size_per_rank={setting.prompts * setting.samples}",  # one micro-batch, as TRL's one batch
         f"rollout.n={setting.samples}", f"data.max_response_length={RESPONSE_LENGTH}",
-        f"data.max_prompt_length={PROMPT_LENGTH}", f"actor.optim.lr={LR}", f"data.max_val_samples={NUM_TEST}",
+        f"data.max_prompt_length={PROMPT_LENGTH}", f"model.dtype={setting.dtype}", f"actor.optim.lr={LR}", f"data.max_val_samples={NUM_TEST}",
         f"trainer.total_steps={setting.steps}", f"trainer.seed={SEED}",
         f"trainer.output_dir={setting.directory}", f"trainer.experiment_name={name}"],
         setting.directory / f"{name}.log")
@@ -214,9 +221,9 @@ def target(contender: Contender) -> float:
     return SIZES[contender.size].target_2proc if contender.nproc == 2 else TARGET_1PROC
 
 
-def report(contenders: list[Contender], threshold: float) -> None:
+def report(contenders: list[Contender], threshold: float, dtype: str) -> None:
     print(f"\nGRPO on a+b=: <= {RESPONSE_LENGTH} response tokens, lr {LR:g} constant, token-mean loss, no KL, "
-          "one optimizer step per batch, 1 thread per process")
+          f"one optimizer step per batch, {PRECISION[dtype]}, 1 thread per process")
     print("s/step: median; tokens/s: prompt + response tokens over the seconds of the timed steps (warm-up left out); "
           "x TRL: tokens/s over TRL's at the same size and shape; process s: the whole run, start-up included")
     print(f"{'size':5} {'shape':5} {'contender':28} {'steps':>5} {'s/step':>7} {'tokens/s':>9} {'x TRL':>6} "
@@ -264,6 +271,8 @@ def main() -> None:
                              + ", ".join(f"{k} {v.timing_steps}" for k, v in SIZES.items()) + ")")
     parser.add_argument("--warmup-steps", type=int, default=2, help="first steps of every run left out of its numbers")
     parser.add_argument("--threshold", type=float, default=0.58, help="held-out greedy accuracy")
+    parser.add_argument("--dtype", choices=tuple(PRECISION), default="float32",
+                        help="every contender's precision (default float32)")
     args = parser.parse_args()
     sizes, shapes = parse_choice(args.sizes, SIZES, "--sizes"), parse_choice(args.shapes, SHAPES, "--shapes")
     bench_python()
@@ -276,12 +285,13 @@ def main() -> None:
             steps = args.steps if curve else args.timing_steps or SIZES[size].timing_steps
             if steps <= args.warmup_steps:
                 sys.exit(f"{size} at {shape}: {steps} steps leave none after --warmup-steps {args.warmup_steps}")
-            setting = Setting(size, shape, model, data, steps, args.eval_every if curve else 0, args.warmup_steps)
+            setting = Setting(size, shape, model, data, steps, args.eval_every if curve else 0, args.warmup_steps,
+                              args.dtype)
             setting.directory.mkdir(parents=True, exist_ok=True)
             print(f"{size} at {shape}: {steps} steps per contender ...", flush=True)
             contenders.append(run_trl(setting))
             contenders += [run_megarl(setting, nproc) for nproc in (1, 2)]
-    report(contenders, args.threshold)
+    report(contenders, args.threshold, args.dtype)
 
 
 def parse_choice(text: str, choices: dict, flag: str) -> list[str]:
