@@ -36,10 +36,14 @@ named `Bridge` below, so a test can leave one out and watch the megatron code pa
    megatron's TP mappings, unequal parts are padded to the largest for the gather, and the
    reduce-scatter is an all-reduce of which each rank keeps its part.
 
-Besides the bridges, one shortcut for speed (`skip_single_rank_collectives`): at DP1 the distributed
-optimizer's gradient reduce-scatter and parameter all-gather run over a group of one rank with the
-output inside the input, where they change nothing; gloo still copies the whole buffer through a
-scratch one (0.5 s a step for a 30M-parameter model on one core). They return at once there.
+Besides the bridges, one change for speed (`faster_buffer_collectives`): the distributed optimizer
+reduce-scatters its gradient buffers and all-gathers its parameter buffers in place, each rank's
+shard a slice of the whole buffer. gloo runs both slower than the collectives that do the same
+there: over two processes, for 124 MB, its reduce-scatter takes 147 ms and its all-gather 124 ms, an
+all-reduce 84 ms and a broadcast 47 ms; over one rank (DP1) both change nothing, yet gloo copies the
+whole buffer through a scratch one (0.5 s a step for a 30M-parameter model on one core). So: over one
+rank they return at once; otherwise the reduce-scatter all-reduces the buffer (its shard is this
+rank's slice) and the all-gather broadcasts each rank's shard from that rank.
 
 How: megatron modules get a *view* of `torch` as their module global `torch`; the view forwards
 everything to the real module, except the attributes a bridge sets on it. Nothing outside
@@ -323,25 +327,49 @@ BRIDGES = (
 )
 
 
-def _identity_over_one_rank(collective):
-    """`collective(output, input, ...)` that returns at once where it is the identity: over a group of
-    one rank, with `output` the whole of `input` (megatron's in-place shard of a one-rank DP group)."""
-
-    @functools.wraps(collective)
-    def skip_or_run(output, input, *args, group=None, **kwargs):
-        if torch.distributed.get_world_size(group) == 1 and output.data_ptr() == input.data_ptr() \
-                and output.numel() == input.numel():
-            return None  # megatron keeps no handle of these calls: its coalescing manager waits for them
-        return collective(output, input, *args, group=group, **kwargs)
-
-    return skip_or_run
+def _is_whole_of(part: torch.Tensor, buffer: torch.Tensor) -> bool:
+    return part.data_ptr() == buffer.data_ptr() and part.numel() == buffer.numel()
 
 
-def skip_single_rank_collectives() -> None:
-    """The distributed optimizer's buffer collectives skip one-rank groups (module docstring)."""
+def _is_shard_of(part: torch.Tensor, buffer: torch.Tensor, group) -> bool:
+    """`part` is this rank's slice of `buffer`, split in equal parts over `group` (megatron's shards)."""
+    rank, size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+    offset = (part.data_ptr() - buffer.data_ptr()) // buffer.element_size()
+    return buffer.numel() == size * part.numel() and offset == rank * part.numel()
+
+
+def _reduce_scatter_in_place(reduce_scatter):
+    @functools.wraps(reduce_scatter)
+    def faster(output, input, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
+        if not _is_shard_of(output, input, group):
+            return reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+        if _is_whole_of(output, input):
+            return None  # one rank: megatron keeps no handle of these calls
+        return torch.distributed.all_reduce(input, op=op, group=group, async_op=async_op)
+
+    return faster
+
+
+def _all_gather_in_place(all_gather):
+    @functools.wraps(all_gather)
+    def faster(output, input, group=None, async_op=False):
+        if async_op or not _is_shard_of(input, output, group):
+            return all_gather(output, input, group=group, async_op=async_op)
+        if _is_whole_of(input, output):
+            return None
+        for index, shard in enumerate(output.chunk(torch.distributed.get_world_size(group))):
+            source = index if group is None else torch.distributed.get_global_rank(group, index)
+            torch.distributed.broadcast(shard, source, group=group)
+        return None
+
+    return faster
+
+
+def faster_buffer_collectives() -> None:
+    """The distributed optimizer's in-place buffer collectives, as gloo runs them fastest (module docstring)."""
     buffers = sys.modules["megatron.core.distributed.param_and_grad_buffer"]
-    for name in ("dist_reduce_scatter_func", "dist_all_gather_func"):
-        setattr(buffers, name, _identity_over_one_rank(getattr(buffers, name)))
+    buffers.dist_reduce_scatter_func = _reduce_scatter_in_place(buffers.dist_reduce_scatter_func)
+    buffers.dist_all_gather_func = _all_gather_in_place(buffers.dist_all_gather_func)
 
 
 def apply_cpu_compat(skip: Iterable[str] = ()) -> None:
@@ -367,4 +395,4 @@ def apply_cpu_compat(skip: Iterable[str] = ()) -> None:
     for bridge in BRIDGES:
         if bridge.name not in skip:
             bridge.apply(view)
-    skip_single_rank_collectives()
+    faster_buffer_collectives()

@@ -164,6 +164,29 @@ def uneven_sequence_parallel():
     assert torch.equal(mine.grad, expected)
 
 
+def buffer_collectives():
+    # Not a bridge: the distributed optimizer's in-place buffer collectives, as megatron calls them (in a
+    # coalescing manager), give what gloo's own reduce-scatter and all-gather give.
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    buffers = sys.modules["megatron.core.distributed.param_and_grad_buffer"]
+    init_layout()
+    rank, half = dist.get_rank(), 1000
+    for seed in range(3):
+        grads = torch.randn(2 * half, generator=torch.Generator().manual_seed(10 * seed + rank))
+        expected = torch.empty(half)
+        dist.reduce_scatter_tensor(expected, grads.clone())
+        with _coalescing_manager(dist.group.WORLD):
+            buffers.dist_reduce_scatter_func(grads[rank * half: (rank + 1) * half], grads, group=dist.group.WORLD)
+        assert torch.equal(grads[rank * half: (rank + 1) * half], expected)
+        params = torch.randn(2 * half, generator=torch.Generator().manual_seed(10 * seed + rank))
+        expected = torch.empty(2 * half)
+        dist.all_gather_into_tensor(expected, params[rank * half: (rank + 1) * half].clone())
+        with _coalescing_manager(dist.group.WORLD):
+            buffers.dist_all_gather_func(params, params[rank * half: (rank + 1) * half], group=dist.group.WORLD)
+        assert torch.equal(params, expected)
+
+
 SCENARIOS = {f.__name__: f for f in (rng_tracker, current_device, cuda_factories, synchronize, tensor_cuda,
                                      clip_grads_type, optimizer_type, optimizer_gather_cuda, te_general_gemm,
                                      alltoall_streams, alltoall_split_sizes, torch_norm_sequence_parallel,
@@ -184,6 +207,10 @@ for name, scenario in SCENARIOS.items():
         print(f"ERROR {name}: {type(error).__name__}: {message} (at: {failing_line})", flush=True)
         traceback.print_exc(file=sys.stderr)
         failed = True
+if not args.skip:
+    buffer_collectives()
+    if os.environ["RANK"] == "0":
+        print("PASS buffer_collectives", flush=True)
 if dist.is_initialized() and not failed:
     dist.destroy_process_group()
 # A failed rank may leave its peer blocked in a collective: exit hard.
