@@ -141,8 +141,7 @@ def run_contender(contender: Contender, model: Path, args: argparse.Namespace) -
 
 def read_result(contender: Contender, directory: Path, wall_seconds: float) -> Result:
     """A finished run's numbers from its mlflow store. Trained tokens are the responses' (the loss's
-    tokens): the mean response length times the step's sequences, exact at every layout, where
-    `throughput/tokens_per_s` sums each DP rank's tokens over its own step seconds."""
+    tokens): the mean response length times the step's sequences."""
     import yaml
 
     from common import metric_history

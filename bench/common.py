@@ -63,14 +63,14 @@ def launch(command: list[str], marker: str) -> object:
 
 
 def metric_history(store: Path, experiment: str, extra: tuple[str, ...] = ()) -> dict[str, list]:
-    """Per-step values from a run's mlflow store, in step order: the step's seconds, its tokens per
-    second, every `timing/` phase it logged, the `extra` metrics, and (step, value) pairs of the
+    """Per-step values from a run's mlflow store, in step order: the step's tokens (prompt + response,
+    every DP rank's), its seconds and every other `timing/` phase it logged, the `extra` metrics, and (step, value) pairs of the
     held-out accuracy."""
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{store}")
     run_id = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])[0].info.run_id
-    keys = ["throughput/tokens_per_s", *extra] + [k for k in client.get_run(run_id).data.metrics if k.startswith("timing/")]
+    keys = ["throughput/tokens", *extra] + [k for k in client.get_run(run_id).data.metrics if k.startswith("timing/")]
 
     def ordered(key: str) -> list:
         return sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)

@@ -209,10 +209,10 @@ def run_megarl(setting: Setting, nproc: int) -> Contender:
         f"trainer.output_dir={setting.directory}", f"trainer.experiment_name={name}"],
         setting.directory / f"{name}.log")
     history = metric_history(run_directory / "mlflow.db", name)
-    step_seconds = history.pop("timing/step")
-    tokens = [rate * seconds for rate, seconds in zip(history.pop("throughput/tokens_per_s"), step_seconds)]
+    step_seconds, tokens = history.pop("timing/step"), history.pop("throughput/tokens")
     accuracy = history.pop("val/score/mean")
     phases = {key.removeprefix("timing/"): statistics.mean(values[setting.warmup:]) for key, values in history.items()}
+    phases["between phases"] = statistics.mean(step_seconds[setting.warmup:]) - sum(phases.values())
     return Contender(setting.size, setting.shape, "megarl GRPO", nproc, step_seconds, tokens, accuracy, wall, phases,
                      setting.warmup)
 
@@ -236,7 +236,7 @@ def report(contenders: list[Contender], threshold: float, dtype: str) -> None:
         print(f"{c.size:5} {c.shape:5} {f'{c.name}, {c.nproc} proc':28} {len(c.step_seconds):5} "
               f"{c.seconds_per_step():7.3f} {c.tokens_per_second():9.0f} {ratio:6.2f} {goal:>7} {met:>4} "
               f"{c.wall_seconds:9.0f}")
-    print("\nmean seconds per phase over the timed steps (megarl: its phase timer, whose sum is its step time;"
+    print("\nmean seconds per phase over the timed steps (megarl: its phase timer, and the time between its phases;"
           " TRL: its _generate_and_score_completions, and the rest of its step):")
     for c in contenders:
         print(f"  {c.size:4} {c.shape:5} {c.name}, {c.nproc} proc: "

@@ -9,7 +9,8 @@
                                                          (with actor/moe/*: expert load, router losses,
                                                          routing agreement with the rollout engine)
     mismatch/*                                           trainer vs. rollout engine log-probs
-    rollout/entropy, throughput/tokens_per_s             the scored batch and the step's time
+    rollout/entropy, throughput/tokens                   the scored batch (throughput/tokens_per_s: its
+                                                         tokens over the step's wall clock, `throughput`)
 
 Each DP rank holds its share of the batch, so the batch's numbers are gathered as `ShareStats`
 (sums, means as sum and count, maxima, minima) and combined over DP in three all-reduces; the TP
@@ -108,11 +109,16 @@ def mismatch_stats(stats: ShareStats, train_logprobs_BR: torch.Tensor, rollout_l
     stats.add_mean("mismatch/kl", tokens["kl"])
 
 
-def batch_stats(stats: ShareStats, batch: SequenceBatch, entropy_BR: torch.Tensor, seconds: float) -> None:
-    """The policy's entropy on the rollout's tokens, and the share's tokens per second of the step
-    (summed over the shares: the step's throughput)."""
+def batch_stats(stats: ShareStats, batch: SequenceBatch, entropy_BR: torch.Tensor) -> None:
+    """The policy's entropy on the rollout's tokens, and the share's prompt + response tokens (summed
+    over the shares: the step's)."""
     stats.add_mean("rollout/entropy", entropy_BR[batch.response_mask_BR > 0])
-    stats.sums["throughput/tokens_per_s"] = int(batch.sequence_lengths_B.sum()) / max(seconds, 1e-9)
+    stats.sums["throughput/tokens"] = int(batch.sequence_lengths_B.sum())
+
+
+def throughput(metrics: dict[str, float], seconds: float) -> dict[str, float]:
+    """The step's tokens per second of its wall clock."""
+    return {"throughput/tokens_per_s": metrics["throughput/tokens"] / max(seconds, 1e-9)}
 
 
 def sync_metrics(sync: SyncStats | None) -> dict[str, float]:

@@ -48,6 +48,7 @@ from megarl.trainer.metrics import (
     rollout_stats,
     run_metrics,
     sync_metrics,
+    throughput,
     update_metrics,
 )
 from megarl.trainer.policy import EngineSettings, RolloutPolicy
@@ -254,14 +255,15 @@ class RLTrainer:
         tensors = batch.response_tensors
         rollout_stats(stats, local, batch, scores)
         mismatch_stats(stats, tensors["old_logprobs"], tensors["rollout_logprobs"], batch.response_mask_BR)
-        batch_stats(stats, batch, scored["entropy"], sum(timer.seconds.values()))
+        batch_stats(stats, batch, scored["entropy"])
         metrics = stats.reduce(self.layout.dp_group).values()
         if self.config.algorithm.use_kl_in_reward:
             self.kl_ctrl.update(metrics["actor/reward_kl"], len(rollouts))
             metrics["actor/reward_kl_coef"] = self.kl_ctrl.value
+        timing = timer.metrics()
         return {**metrics, **run_metrics(rollouts, rounds), **generation,
                 **update_metrics("actor", actor_history), **update_metrics("critic", critic_history),
-                **update_metrics("prime", prm_history), **timer.metrics()}
+                **update_metrics("prime", prm_history), **timing, **throughput(metrics, timing["timing/step"])}
 
     def _generate_training_rollouts(self, step: int) -> tuple[Rollouts, int]:
         """A batch of prompts; with DAPO's group filtering, more prompts until the batch is full of

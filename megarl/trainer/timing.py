@@ -1,4 +1,5 @@
-"""Wall-clock time per phase of an RL step; an error raised inside a phase (a collective that timed
+"""Wall-clock time per phase of an RL step and of the whole step (phases and what runs between
+them: sharing the batch, reducing the metrics); an error raised inside a phase (a collective that timed
 out, say) carries a note naming the phase, and the start of each phase is logged at debug level
 (`MEGARL_LOG_LEVEL=DEBUG` shows where a job is, or was when it died)."""
 
@@ -15,6 +16,11 @@ class PhaseTimer:
     def __init__(self, step: int):
         self.step = step
         self.seconds: dict[str, float] = {}
+        self.started = time.perf_counter()
+
+    def elapsed(self) -> float:
+        """Seconds since the step began."""
+        return time.perf_counter() - self.started
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
@@ -29,6 +35,4 @@ class PhaseTimer:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 
     def metrics(self) -> dict[str, float]:
-        return {f"timing/{phase}": seconds for phase, seconds in self.seconds.items()} | {
-            "timing/step": sum(self.seconds.values())
-        }
+        return {f"timing/{phase}": seconds for phase, seconds in self.seconds.items()} | {"timing/step": self.elapsed()}

@@ -17,6 +17,7 @@ from megarl.trainer.metrics import (
     rollout_stats,
     run_metrics,
     sync_metrics,
+    throughput,
     update_metrics,
 )
 from megarl.trainer.rollouts import Rollouts
@@ -53,10 +54,11 @@ def test_sync_update_and_batch_metrics_by_hand():
     _, batch = _rollouts()
     entropy_BR = torch.tensor([[1.0, 9.0, 9.0], [2.0, 2.0, 2.0], [4.0, 4.0, 9.0]])  # 9s sit in the padding
     stats = ShareStats()
-    batch_stats(stats, batch, entropy_BR, seconds=2.0)
+    batch_stats(stats, batch, entropy_BR)
     metrics = stats.values()
     assert metrics["rollout/entropy"] == (1 + 6 + 8) / 6
-    assert metrics["throughput/tokens_per_s"] == (3 + 5 + 4) / 2.0
+    assert metrics["throughput/tokens"] == 3 + 5 + 4
+    assert throughput(metrics, seconds=2.0) == {"throughput/tokens_per_s": (3 + 5 + 4) / 2.0}
     # The engine's log-probs 0.5 below the trainer's on every response token (padding differs more).
     train_BR = torch.tensor([[-1.0, 0.0, 0.0], [-1.0, -2.0, -3.0], [-0.5, -0.5, 0.0]])
     rollout_BR = train_BR - 0.5 + 5.0 * (1 - batch.response_mask_BR)

@@ -9,15 +9,16 @@ import pytest
 from megarl.trainer.timing import PhaseTimer
 
 
-def test_phases_are_timed_and_summed():
+def test_phases_are_timed_and_the_step_includes_what_runs_between_them():
     timer = PhaseTimer(step=1)
     with timer("rollout"):
         time.sleep(0.02)
+    time.sleep(0.03)  # between phases
     with timer("update_actor"):
         pass
     metrics = timer.metrics()
     assert metrics["timing/rollout"] >= 0.02
-    assert metrics["timing/step"] == pytest.approx(metrics["timing/rollout"] + metrics["timing/update_actor"])
+    assert metrics["timing/step"] >= metrics["timing/rollout"] + metrics["timing/update_actor"] + 0.03
 
 
 def test_an_error_names_its_phase():
