@@ -153,8 +153,6 @@ class MegatronEngine:
             [self.model],
         )
         self.loss_scaling.optimizer = self.optimizer
-        if not device.cuda():
-            _fuse_cpu_adam(self.optimizer)
         if optim.lr_warmup_steps >= max(total_optimizer_steps, 1) and optim.lr_decay_style != "constant":
             raise ValueError(
                 f"actor.optim.lr_warmup_steps={optim.lr_warmup_steps} must be below the run's "
@@ -403,16 +401,6 @@ class MegatronEngine:
                 if kept is not None:
                     outputs = kept  # the one mini-batch holds the whole share, in batch order
         return history, outputs
-
-
-def _fuse_cpu_adam(optimizer) -> None:
-    """Without Transformer Engine or Apex (always on CPU) megatron steps torch's Adam, which defaults to
-    a dozen tensor operations per parameter on CPU; its fused CPU kernel makes one pass (31M
-    parameters: 205 -> 19 ms a step)."""
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(part.optimizer, torch.optim.Adam | torch.optim.AdamW):
-            for group in part.optimizer.param_groups:
-                group["fused"] = True
 
 
 def _finalize_without_token_scaling(model, num_tokens=None, pg_collection=None, **kwargs):
