@@ -32,10 +32,22 @@ def _run(script: str, *args) -> subprocess.CompletedProcess:
                           timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
 
 
+def _load_evaluate():
+    """launchers/evaluate.py as a module, to run in this process: one launch less per table (its command
+    line's error path runs in a process of its own: test_evaluate_names_a_missing_column)."""
+    spec = importlib.util.spec_from_file_location("evaluate", ROOT / "launchers/evaluate.py")
+    evaluate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluate)
+    return evaluate
+
+
+evaluate = _load_evaluate()
+
+
 def _evaluate(generations, tmp_path) -> dict:
+    """The table evaluate.py writes with --json."""
     table_file = tmp_path / f"{generations.stem}.json"
-    result = _run("launchers/evaluate.py", generations, "--reward-function", REWARD, "--json", table_file)
-    assert_succeeded(result)
+    evaluate.main([str(generations), "--reward-function", REWARD, "--json", str(table_file)])
     return json.loads(table_file.read_text())
 
 
@@ -88,9 +100,6 @@ def test_generate_writes_trajectories_that_evaluate_scores(tiny_models, tmp_path
         assert row["response"] == messages[3]["content"] and len(row["response"]) <= 6
         assert row["score"] == _parity(row["response"])
     mean, _ = _expected_table(rows)
-    spec = importlib.util.spec_from_file_location("evaluate", ROOT / "launchers/evaluate.py")
-    evaluate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(evaluate)  # in this process: one launch less
     assert evaluate.main([str(trajectories), "--reward-function", REWARD])["all"]["mean@2"] == pytest.approx(mean)
 
 

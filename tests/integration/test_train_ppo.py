@@ -73,14 +73,17 @@ def test_ppo_at_tp2_pp2_dp2_matches_tp1(tiny_models, arithmetic, tmp_path):
     # and gradient is nonzero from step 1. Every prompt samples with the same seed on whichever engine
     # replica holds it, so both runs see the same responses and rewards; losses differ only by the
     # order of fp32 sums (over TP shards, micro-batches and DP ranks), which Adam carries into later
-    # steps' weights. Two micro-batches per DP rank keep the pipeline schedule busy.
+    # steps' weights. Two micro-batches per DP rank keep the pipeline schedule busy. The `hf` engine:
+    # the layouts under test are the trainer's (vLLM fed from TP2xPP2: tests/distributed/test_rollout.py),
+    # and 8 vLLM engines on 2 cores would cost more than the training.
     histories = {}
     for name, nproc, layout in (("tp1", 1, []), ("tp2pp2dp2", 8, ["actor.tp=2", "actor.pp=2"])):
         out = tmp_path / name
         result = torchrun(nproc, ROOT / "launchers/train_ppo.py", "--config", "configs/quickstart_ppo.yaml",
                           *_overrides(tiny_models["qwen2-tied"], arithmetic, out, *layout, "data.val_files=[]",
                                       "actor.micro_batch_size_per_rank=2", "critic.micro_batch_size_per_rank=2",
-                                      f"critic.path={tiny_models['qwen2-value']}", f"reward.function={USER_REWARD}"),
+                                      "rollout.backend=hf", f"critic.path={tiny_models['qwen2-value']}",
+                                      f"reward.function={USER_REWARD}"),
                           timeout=900)
         assert_succeeded(result)
         assert _logged(out / "quickstart_ppo", "quickstart_ppo", "critic/vf_loss") == [1, 2]
