@@ -64,8 +64,8 @@ def launch(command: list[str], marker: str) -> object:
 
 def metric_history(store: Path, experiment: str, extra: tuple[str, ...] = ()) -> dict[str, list]:
     """Per-step values from a run's mlflow store, in step order: the step's tokens (prompt + response,
-    every DP rank's), its seconds and every other `timing/` phase it logged, the `extra` metrics, and (step, value) pairs of the
-    held-out accuracy."""
+    every DP rank's), its seconds and every other `timing/` phase it logged, the `extra` metrics, and
+    (step, value) pairs of the held-out accuracy."""
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{store}")

@@ -5,9 +5,9 @@
 Each run is a torchrun launch of this file that builds the quick start's `RLTrainer` as
 `launchers/train_ppo.py` does (configs/quickstart.yaml on the quick start's SFT checkpoint, made
 first as `make quickstart` makes it when missing; a shape PxS overrides the prompts per step and the
-samples per prompt; `--model 30m` swaps in the benchmarks' ~30M Qwen2 of bench/common.py, random weights,
-with bench/trl_vs_megarl.py's lengths: prompts <= 16, responses <= 8 tokens) and calls its `step` directly, with one substitution: the trainer's `PhaseTimer`
-also opens a `torch.profiler` range and, when asked, a cProfile of its own for each phase. Steps:
+samples per prompt; `--model 30m` swaps in the benchmarks' ~30M Qwen2 of bench/common.py, random
+weights, with bench/trl_vs_megarl.py's lengths: prompts <= 16, responses <= 8 tokens) and calls its
+`step` directly, with one substitution: the trainer's `PhaseTimer` also opens a `torch.profiler` range and, when asked, a cProfile of its own for each phase. Steps:
 
 1. `--warmup` steps, not counted;
 2. `--steps` steps timed by the trainer's own phase timer, nothing else on: each phase's median and

@@ -204,7 +204,8 @@ def run_megarl(setting: Setting, nproc: int) -> Contender:
         f"data.train_batch_size={setting.prompts}", f"actor.ppo_mini_batch_size={setting.prompts}",
         f"actor.micro_batch_size_per_rank={setting.prompts * setting.samples}",  # one micro-batch, as TRL's one batch
         f"rollout.n={setting.samples}", f"data.max_response_length={RESPONSE_LENGTH}",
-        f"data.max_prompt_length={PROMPT_LENGTH}", f"model.dtype={setting.dtype}", f"actor.optim.lr={LR}", f"data.max_val_samples={NUM_TEST}",
+        f"data.max_prompt_length={PROMPT_LENGTH}", f"model.dtype={setting.dtype}", f"actor.optim.lr={LR}",
+        f"data.max_val_samples={NUM_TEST}",
         f"trainer.total_steps={setting.steps}", f"trainer.seed={SEED}",
         f"trainer.output_dir={setting.directory}", f"trainer.experiment_name={name}"],
         setting.directory / f"{name}.log")

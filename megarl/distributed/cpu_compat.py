@@ -327,10 +327,6 @@ BRIDGES = (
 )
 
 
-def _is_whole_of(part: torch.Tensor, buffer: torch.Tensor) -> bool:
-    return part.data_ptr() == buffer.data_ptr() and part.numel() == buffer.numel()
-
-
 def _is_shard_of(part: torch.Tensor, buffer: torch.Tensor, group) -> bool:
     """`part` is this rank's slice of `buffer`, split in equal parts over `group` (megatron's shards)."""
     rank, size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
@@ -343,8 +339,8 @@ def _reduce_scatter_in_place(reduce_scatter):
     def faster(output, input, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
         if not _is_shard_of(output, input, group):
             return reduce_scatter(output, input, op=op, group=group, async_op=async_op)
-        if _is_whole_of(output, input):
-            return None  # one rank: megatron keeps no handle of these calls
+        if torch.distributed.get_world_size(group) == 1:
+            return None  # the shard is the whole buffer; megatron keeps no handle of these calls
         return torch.distributed.all_reduce(input, op=op, group=group, async_op=async_op)
 
     return faster
@@ -355,7 +351,7 @@ def _all_gather_in_place(all_gather):
     def faster(output, input, group=None, async_op=False):
         if async_op or not _is_shard_of(input, output, group):
             return all_gather(output, input, group=group, async_op=async_op)
-        if _is_whole_of(input, output):
+        if torch.distributed.get_world_size(group) == 1:
             return None
         for index, shard in enumerate(output.chunk(torch.distributed.get_world_size(group))):
             source = index if group is None else torch.distributed.get_global_rank(group, index)
