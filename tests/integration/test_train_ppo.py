@@ -151,8 +151,10 @@ def test_multi_turn_grpo_variants_give_the_run_at_dp1(tiny_models, arithmetic, t
 
 
 def test_remax_generates_its_greedy_baseline(tiny_models, arithmetic, tmp_path):
+    # The `hf` engine: the greedy pass is the trainer's request (vLLM's greedy: every run's validation).
     result = torchrun(1, ROOT / "launchers/train_ppo.py", "--config", "configs/quickstart.yaml",
-                      *_overrides(tiny_models["llama-tied"], arithmetic, tmp_path, "algorithm.adv_estimator=remax"),
+                      *_overrides(tiny_models["llama-tied"], arithmetic, tmp_path, "algorithm.adv_estimator=remax",
+                                  "rollout.backend=hf"),
                       timeout=600)
     assert_succeeded(result)
     assert _logged(tmp_path / "quickstart_grpo", "quickstart_grpo", "advantages/mean") == [1, 2]
