@@ -81,7 +81,8 @@ def test_a_reward_function_with_the_wrong_signature_fails_before_any_engine(line
 def test_a_reward_function_returning_none_stops_the_run_at_its_first_step(lineage, tmp_path):
     reward = tmp_path / "reward.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return None\n")
-    result = lineage("none", "trainer.total_steps=2", f"reward.function={reward}:compute_score", checkpoints="none")
+    result = lineage("none", "trainer.total_steps=2", f"reward.function={reward}:compute_score", "rollout.backend=hf",
+                     checkpoints="none")  # any engine's responses do; `hf` starts faster than vLLM
     message = _one_error_line(result)
     assert message == ("megarl: all 32 reward calls failed (32 errors, 0 timeouts); first: item 0 (data_source "
                        "'arithmetic'): ValueError: compute_score must return a finite number or a dict with 'score', "

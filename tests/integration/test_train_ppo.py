@@ -151,8 +151,10 @@ def test_multi_turn_grpo_variants_give_the_run_at_dp1(tiny_models, arithmetic, t
 
 
 def test_remax_generates_its_greedy_baseline(tiny_models, arithmetic, tmp_path):
+    # The `hf` engine: the greedy pass is the trainer's request (vLLM's greedy: every run's validation).
     result = torchrun(1, ROOT / "launchers/train_ppo.py", "--config", "configs/quickstart.yaml",
-                      *_overrides(tiny_models["llama-tied"], arithmetic, tmp_path, "algorithm.adv_estimator=remax"),
+                      *_overrides(tiny_models["llama-tied"], arithmetic, tmp_path, "algorithm.adv_estimator=remax",
+                                  "rollout.backend=hf"),
                       timeout=600)
     assert_succeeded(result)
     assert _logged(tmp_path / "quickstart_grpo", "quickstart_grpo", "advantages/mean") == [1, 2]
@@ -162,11 +164,13 @@ def test_opd_at_pp2_with_the_student_as_teacher_has_zero_kl(tiny_models, arithme
     # The teacher is a second model loaded from a copy of the student's weights: it must give every sampled
     # token the student's log-prob (same tokens, same temperature, 0.7 here), so the reverse KL and the
     # advantages are 0 and the policy gradient vanishes. A misaligned or unscaled teacher score is not 0.
+    # Any engine's samples do (`hf`: no vLLM start-up).
     teacher = tmp_path / "teacher"
     shutil.copytree(tiny_models["qwen2-tied"], teacher)
     result = torchrun(2, ROOT / "launchers/train_ppo.py", "--config", "configs/quickstart.yaml",
                       *_overrides(tiny_models["qwen2-tied"], arithmetic, tmp_path, "actor.pp=2",
-                                  "rollout.temperature=0.7", "algorithm.adv_estimator=opd", f"teacher.path={teacher}"),
+                                  "rollout.temperature=0.7", "algorithm.adv_estimator=opd", f"teacher.path={teacher}",
+                                  "rollout.backend=hf"),
                       timeout=600)
     assert_succeeded(result)
     run = tmp_path / "quickstart_grpo"
