@@ -156,6 +156,12 @@ class EngineConfig:
     logprob_chunk_size: int = 256
     """Rows per chunk of the vocab-parallel log-prob/entropy kernel (peak memory vs. speed)."""
 
+    share_prompt_forward: bool = False
+    """Run a prompt once for all sequences of a micro-batch that share it (a GRPO group's samples): a
+    row holds the prompt, then each response, attending to the prompt and to itself. Same outputs and
+    gradients up to float rounding, with (n-1)/n of the prompt tokens not recomputed. Dense models
+    with model.layer_spec=local and without Transformer Engine (its kernels take no per-row mask)."""
+
 
 @dataclass
 class ActorConfig(EngineConfig, ParallelConfig):

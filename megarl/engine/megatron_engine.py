@@ -50,10 +50,23 @@ from megarl.engine.batching import (
 )
 from megarl.engine.memory import MemoryPhases
 from megarl.engine.packing import pack, padding_mask, response_output_rows, router_rows
+from megarl.engine.prompt_sharing import PositionedRope, share_prompts
 from megarl.engine.router_replay import RoutingReplay
 from megarl.engine.routing_stats import RoutingStats
 from megarl.models.builder import MoESettings, ScheduleSettings, resolve_layer_spec
 from megarl.models.hf_interop import load_hf_model
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    """A micro-batch as the model takes it, and where its outputs for response tokens are."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    output_rows: torch.Tensor
+    """(b * R,) rows of the flattened model output that predict each response token."""
+    attention_mask: torch.Tensor | None = None
+    packed_seq_params: PackedSeqParams | None = None
 
 
 @dataclass(frozen=True)
@@ -121,6 +134,7 @@ class MegatronEngine:
         if router_replay and not self.arch.is_moe:
             raise ValueError(f"actor.router_replay=true needs a mixture-of-experts model; "
                              f"{model_path or model_config.path} is dense")
+        self.positioned_rope = self._positioned_rope(model_path or model_config.path) if config.share_prompt_forward else None
         self.optimizer = self.scheduler = self.routing = self.rollout_routing = None
         if trainable:
             self._make_trainable(model_config, total_optimizer_steps)
@@ -130,6 +144,16 @@ class MegatronEngine:
                     self.routing.routers, router_replay, recomputes=config.recompute_activations,
                     sequence_parallel_rank=layout.tp_rank, sequence_parallel_size=self.sequence_multiple)
         self.memory = MemoryPhases(self.model, self.optimizer)
+
+    def _positioned_rope(self, model_path: str) -> PositionedRope:
+        """Per-token RoPE positions for the shared-prompt layout, which needs an arbitrary attention
+        mask (megatron's local attention) and RoPE angles per row (its unfused RoPE)."""
+        if self.packed or self.module.config.apply_rope_fusion:
+            raise ValueError("share_prompt_forward=true needs model.layer_spec=local and no Transformer Engine "
+                             "(its fused attention and RoPE take no per-row mask or positions)")
+        if self.arch.is_moe:
+            raise ValueError(f"share_prompt_forward=true supports dense models; {model_path} is a mixture of experts")
+        return PositionedRope(self.module)
 
     def _make_trainable(self, model_config: ModelConfig, total_optimizer_steps: int) -> None:
         optim = self.config.optim
@@ -193,57 +217,69 @@ class MegatronEngine:
         return recut_micro_batches(micro, count, batch.sequence_lengths_B)
 
     def _run_schedule(self, batch: SequenceBatch, micro: list[list[int]], loss_func, forward_only: bool) -> list:
+        """Runs `micro` through the schedule; `loss_func(micro_batch, output_rows, output)` gets the rows
+        of the flattened output that predict the micro-batch's response tokens."""
         micro_batches = [batch.select(indices) for indices in micro]
-        if not self.packed:
+        if not self.packed and self.positioned_rope is None:
             micro_batches = [mb.widened_to_multiple(self.sequence_multiple) for mb in micro_batches]
-        data = iter(micro_batches)
+        inputs = [self._model_input(mb) for mb in micro_batches]
+        data = iter(zip(micro_batches, inputs))
         replaying = self.rollout_routing is not None and batch.routed_experts_BTLK is not None
 
         def forward_step(data_iterator, model):
-            micro_batch = next(data_iterator)
-            tokens, positions, packed_seq_params = self._model_inputs(micro_batch)
+            micro_batch, model_input = next(data_iterator)
+            tokens = model_input.tokens
             # Routers leave padding out of their losses and of the expert load (dense models take no mask).
             moe_inputs = {"padding_mask": padding_mask(micro_batch, tokens.shape[1], self.packed).to(tokens.device)
                           } if self.arch.is_moe else {}
             if replaying:
                 self.rollout_routing.set_micro_batch(*router_rows(micro_batch, tokens.shape[1], self.packed))
-            output = model(tokens, positions, attention_mask=None, packed_seq_params=packed_seq_params, **moe_inputs)
-            return output, partial(loss_func, micro_batch)
+            if self.positioned_rope is not None:
+                self.positioned_rope.positions_gW = model_input.positions
+            output = model(tokens, model_input.positions, attention_mask=model_input.attention_mask,
+                           packed_seq_params=model_input.packed_seq_params, **moe_inputs)
+            return output, partial(loss_func, micro_batch, model_input.output_rows)
 
-        longest = max(mb.tokens_BT.shape[1] for mb in micro_batches)
         if self.rollout_routing is not None:
             self.rollout_routing.begin(has_routing=replaying)
         try:
             return get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=data, model=[self.model],
-                num_microbatches=len(micro_batches), seq_length=longest,
-                micro_batch_size=max(len(mb) for mb in micro_batches), forward_only=forward_only,
+                num_microbatches=len(micro_batches), seq_length=max(i.tokens.shape[1] for i in inputs),
+                micro_batch_size=max(i.tokens.shape[0] for i in inputs), forward_only=forward_only,
             )
         finally:
             if self.rollout_routing is not None:
                 self.rollout_routing.end()
 
-    def _model_inputs(self, micro_batch: SequenceBatch):
-        """(tokens, positions, packed_seq_params): right-padded (b, T), or one packed (1, sum of lengths)
-        row whose positions restart at every sequence."""
+    def _model_input(self, micro_batch: SequenceBatch) -> ModelInput:
+        """Right-padded (b, T) rows; one packed (1, sum of lengths) row whose positions restart at every
+        sequence; or one row per distinct prompt with its responses (`share_prompt_forward`)."""
+        compute = device.compute_device()
+        if self.positioned_rope is not None:
+            shared = share_prompts(micro_batch, self.sequence_multiple)
+            return ModelInput(shared.tokens_gW.to(compute), shared.positions_gW.to(compute), shared.output_rows,
+                              attention_mask=shared.blocked_g1WW.to(compute))
         if not self.packed:
-            tokens_bT = micro_batch.tokens_BT.to(device.compute_device())
-            positions_bT = torch.arange(tokens_bT.shape[1], device=tokens_bT.device).expand_as(tokens_bT)
-            return tokens_bT, positions_bT, None
+            tokens_bT = micro_batch.tokens_BT.to(compute)
+            positions_bT = torch.arange(tokens_bT.shape[1], device=compute).expand_as(tokens_bT)
+            return ModelInput(tokens_bT, positions_bT, response_output_rows(micro_batch, packed=False))
         tokens_1N, positions_1N, cu_seqlens = pack(micro_batch, self.sequence_multiple)
         longest = int(cu_seqlens.diff().max())
-        cu_seqlens = cu_seqlens.to(device.compute_device())
+        cu_seqlens = cu_seqlens.to(compute)
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                                  max_seqlen_q=longest, max_seqlen_kv=longest)
-        return tokens_1N.to(device.compute_device()), positions_1N.to(device.compute_device()), params
+        return ModelInput(tokens_1N.to(compute), positions_1N.to(compute), response_output_rows(micro_batch, packed=True),
+                          packed_seq_params=params)
 
     # ---- outputs of the model for response tokens -------------------------------------------------
 
-    def _response_outputs(self, micro_batch: SequenceBatch, output_bTV: torch.Tensor, temperature: float) -> dict:
+    def _response_outputs(self, micro_batch: SequenceBatch, output_rows: torch.Tensor, output_bTV: torch.Tensor,
+                          temperature: float) -> dict:
         """(b, R) log-probs and entropy (or values) of the response tokens from the model output."""
         b = len(micro_batch)
         mask_bR = micro_batch.response_mask_BR.to(output_bTV.device)
-        rows = response_output_rows(micro_batch, self.packed).to(output_bTV.device)
+        rows = output_rows.to(output_bTV.device)
         if self.arch.value_model:
             values = output_bTV.reshape(-1)[rows].view(b, -1).float()
             return {"values": values * mask_bR}
@@ -269,9 +305,9 @@ class MegatronEngine:
         self.model.eval()
         micro = self._micro_batches(batch)
 
-        def collect(micro_batch, output):
+        def collect(micro_batch, output_rows, output):
             return torch.zeros((), device=output.device), torch.tensor(0), self._response_outputs(
-                micro_batch, output, temperature
+                micro_batch, output_rows, output, temperature
             )
 
         collected = self._run_schedule(batch, micro, collect, forward_only=True)
@@ -326,8 +362,8 @@ class MegatronEngine:
             self.routing.begin(weight)
         kept = []
 
-        def loss_func(micro_batch, output):
-            outputs = self._response_outputs(micro_batch, output, temperature)
+        def loss_func(micro_batch, output_rows, output):
+            outputs = self._response_outputs(micro_batch, output_rows, output, temperature)
             if keep_outputs:
                 kept.append({name: value.detach() for name, value in outputs.items()})
             loss, metrics = loss_fn(outputs, micro_batch, normalizer)

@@ -3,7 +3,9 @@
 At every layout: log-probs and entropy (temperature 0.7) and critic values equal `transformers`
 (<= 1e-4), and one AdamW step of a fixed loss (with grad clipping) gives the same weights as at TP1
 (<= 1e-5). PP2 and DP2 use token-budget micro-batches and TP2 recomputes activations; neither may
-change the update. DP2 also trains a bf16 copy of the policy for a few steps beside the fp32 one.
+change the update. TP2xPP2 runs each prompt once for the sequences that share it
+(`share_prompt_forward`; the batch holds two prompts sampled twice): the same outputs and step.
+DP2 also trains a bf16 copy of the policy for a few steps beside the fp32 one.
 
 A tiny Qwen3-MoE is trained at EP1, EP2 and TP2xEP2 in one 2-process world (`moe_engine_checks.py`): its
 step, router losses included, equals `transformers` and EP1, its routing metrics equal a count of HF's
@@ -23,7 +25,7 @@ from tests.conftest import ROOT, assert_succeeded, torchrun
 
 SCRIPT = ROOT / "tests/distributed/scripts/engine_checks.py"
 LAYOUTS = {"tp2": (2, ["--tp", 2, "--recompute"]), "pp2": (2, ["--pp", 2, "--dynamic"]),
-           "tp2pp2": (4, ["--tp", 2, "--pp", 2]), "dp2": (2, ["--dynamic", "--bf16-steps", 3])}
+           "tp2pp2": (4, ["--tp", 2, "--pp", 2, "--share-prompts"]), "dp2": (2, ["--dynamic", "--bf16-steps", 3])}
 
 
 def _run(tiny_models, out, nproc, extra):

@@ -28,6 +28,7 @@ parser.add_argument("--tp", type=int, default=1)
 parser.add_argument("--pp", type=int, default=1)
 parser.add_argument("--dynamic", action="store_true", help="token-budget micro-batches")
 parser.add_argument("--recompute", action="store_true", help="recompute activations in backward")
+parser.add_argument("--share-prompts", action="store_true", help="share_prompt_forward: one row per distinct prompt")
 parser.add_argument("--dtype", default="float32", help="the policy's and critic's model.dtype")
 parser.add_argument("--bf16-steps", type=int, default=0,
                     help="then train the fp32 policy and a bf16 copy this many steps each, reporting both losses")
@@ -36,14 +37,15 @@ args = parser.parse_args()
 TEMPERATURE = 0.7
 layout = init_layout(tp=args.tp, pp=args.pp)
 generator = torch.Generator().manual_seed(0)
-prompt_lengths = torch.tensor([5, 3, 8, 4, 6, 2, 7, 3])
+prompt_lengths = torch.tensor([5, 5, 8, 8, 6, 2, 7, 3])
 response_lengths = torch.tensor([10, 12, 6, 15, 1, 9, 4, 13])
 tokens = torch.randint(5, 100, (8, 24), generator=generator)
+tokens[1, :5], tokens[3, :8] = tokens[0, :5], tokens[2, :8]  # two prompts sampled twice, as in a GRPO group
 share = balance_over_data_parallel((prompt_lengths + response_lengths).tolist(), layout.dp)[layout.dp_rank]
 batch = SequenceBatch(tokens, prompt_lengths, response_lengths).select(share)
 engine_config = EngineConfig(
     micro_batch_size_per_rank=2, use_dynamic_batch_size=args.dynamic, max_token_len_per_rank=40,
-    recompute_activations=args.recompute,
+    recompute_activations=args.recompute, share_prompt_forward=args.share_prompts,
     optim=OptimizerConfig(lr=1e-3, adam_eps=1e-6, clip_grad=1.0, weight_decay=0.01),
 )
 

@@ -1,0 +1,104 @@
+"""One forward of a prompt for all the sequences that share it (`share_prompt_forward`).
+
+A GRPO group's n samples repeat the same prompt; run one sequence per row and the model computes
+that prompt n times, forward and backward. Here a micro-batch row holds one distinct prompt
+followed by each of its responses, and attention lets a response see the prompt and its own earlier
+tokens only:
+
+    row:       p0 p1 p2 | a0 a1 | b0 b1 b2
+    position:   0  1  2 |  3  4 |  3  4  5
+    a1 sees:   p0 p1 p2   a0 a1
+    b0 sees:   p0 p1 p2         b0
+
+Each response token sees exactly what it sees in its own row, at the same positions, so outputs and
+gradients equal the one-row-per-sequence layout's up to float rounding (the prompt's gradient is
+the sum of its responses' contributions, added in another order). The first response token of every
+sequence is predicted by the shared prompt's last output row.
+
+Rows are right-padded to the longest; padding tokens attend to nothing real and nothing attends to
+them. Positions within a row differ per row, so RoPE takes per-token positions (`PositionedRope`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+from megarl.engine.batch import SequenceBatch
+
+_PADDING = -1  # branch id of padding; the prompt is branch 0, its k-th response branch k
+
+
+@dataclass(frozen=True)
+class SharedPromptInput:
+    tokens_gW: torch.Tensor
+    """One row per distinct prompt of the micro-batch: the prompt, then each of its responses."""
+
+    positions_gW: torch.Tensor
+    """Each token's position inside its own sequence (a response continues its prompt)."""
+
+    blocked_g1WW: torch.Tensor
+    """True where a query (row, column) may not attend a key (megatron's attention-mask convention)."""
+
+    output_rows: torch.Tensor
+    """(b * R,) rows of the flattened (g * W) model output that predict each response token, in
+    micro-batch order; padded response columns repeat the sequence's last predicting row."""
+
+
+def share_prompts(batch: SequenceBatch, multiple: int = 1) -> SharedPromptInput:
+    """The shared-prompt layout of `batch`; sequences share a row when their prompt tokens are equal.
+    The width is rounded up to a `multiple` (sequence parallelism splits it over TP ranks)."""
+    row_of_prompt: dict[tuple[int, ...], int] = {}
+    tokens, positions, branches, starts = [], [], [], []
+    for i in range(len(batch)):
+        prompt_length, length = int(batch.prompt_lengths_B[i]), int(batch.sequence_lengths_B[i])
+        prompt = tuple(batch.tokens_BT[i, :prompt_length].tolist())
+        if prompt not in row_of_prompt:
+            row_of_prompt[prompt] = len(tokens)
+            tokens.append(list(prompt))
+            positions.append(list(range(prompt_length)))
+            branches.append([0] * prompt_length)
+        row = row_of_prompt[prompt]
+        starts.append((row, len(tokens[row])))
+        tokens[row] += batch.tokens_BT[i, prompt_length:length].tolist()
+        positions[row] += range(prompt_length, length)
+        branches[row] += [max(branches[row]) + 1] * (length - prompt_length)
+
+    width = max(map(len, tokens))
+    width += -width % multiple
+    tokens_gW, positions_gW, branches_gW = (
+        torch.tensor([row + [fill] * (width - len(row)) for row in rows])
+        for rows, fill in ((tokens, 0), (positions, 0), (branches, _PADDING))
+    )
+    causal_WW = torch.ones(width, width, dtype=torch.bool).tril()
+    query, key = branches_gW[:, :, None], branches_gW[:, None, :]
+    allowed_gWW = causal_WW & ((key == 0) | (key == query))
+    return SharedPromptInput(tokens_gW, positions_gW, ~allowed_gWW[:, None], _output_rows(batch, starts, width))
+
+
+def _output_rows(batch: SequenceBatch, starts: list[tuple[int, int]], width: int) -> torch.Tensor:
+    row_B, start_B = (torch.tensor(column) for column in zip(*starts))
+    last_column_B = batch.response_lengths_B - 1
+    columns_BR = torch.minimum(torch.arange(batch.max_response_length)[None, :], last_column_B[:, None])
+    # Response token j is predicted by the row before it: the prompt's last token for j = 0.
+    predicting_BR = torch.where(columns_BR == 0, batch.prompt_lengths_B[:, None] - 1, start_B[:, None] + columns_BR - 1)
+    return (row_B[:, None] * width + predicting_BR).flatten()
+
+
+class PositionedRope:
+    """Gives megatron's RoPE per-token positions: while `positions_gW` is set, every `RotaryEmbedding`
+    of the model returns the angles of those positions, (W, g, 1, dim), which its attention
+    broadcasts over heads as it does the usual (W, 1, 1, dim) ones."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.positions_gW: torch.Tensor | None = None
+        for module in model.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.register_forward_hook(self._at_positions)
+
+    def _at_positions(self, module, args, angles_W11D: torch.Tensor) -> torch.Tensor | None:
+        if self.positions_gW is None:
+            return None
+        return angles_W11D[:, 0, 0][self.positions_gW.T.to(angles_W11D.device)].unsqueeze(2)
