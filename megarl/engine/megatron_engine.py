@@ -7,7 +7,8 @@ last pipeline stage to the other stages, never gathered over DP.
 
 On GPU with Transformer Engine, micro-batches are packed (THD): sequences are concatenated
 without padding and attention restarts at each boundary (`PackedSeqParams`). Elsewhere they are
-right-padded to the micro-batch's longest sequence.
+right-padded to the micro-batch's longest sequence, or, with `share_prompt_forward`, laid out one
+row per distinct prompt with all its responses (`megarl.engine.prompt_sharing`).
 
 Losses are normalised by *global* counts (tokens or sequences of the whole mini-batch, summed over
 the DP ranks' shares), so gradients are summed, not averaged, over micro-batches and DP ranks
@@ -134,7 +135,8 @@ class MegatronEngine:
         if router_replay and not self.arch.is_moe:
             raise ValueError(f"actor.router_replay=true needs a mixture-of-experts model; "
                              f"{model_path or model_config.path} is dense")
-        self.positioned_rope = self._positioned_rope(model_path or model_config.path) if config.share_prompt_forward else None
+        self.positioned_rope = (self._positioned_rope(model_path or model_config.path)
+                                if config.share_prompt_forward else None)
         self.optimizer = self.scheduler = self.routing = self.rollout_routing = None
         if trainable:
             self._make_trainable(model_config, total_optimizer_steps)
@@ -269,8 +271,8 @@ class MegatronEngine:
         cu_seqlens = cu_seqlens.to(compute)
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                                  max_seqlen_q=longest, max_seqlen_kv=longest)
-        return ModelInput(tokens_1N.to(compute), positions_1N.to(compute), response_output_rows(micro_batch, packed=True),
-                          packed_seq_params=params)
+        return ModelInput(tokens_1N.to(compute), positions_1N.to(compute),
+                          response_output_rows(micro_batch, packed=True), packed_seq_params=params)
 
     # ---- outputs of the model for response tokens -------------------------------------------------
 
