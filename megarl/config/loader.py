@@ -297,6 +297,7 @@ def _check_engine(section: str, engine: EngineConfig) -> None:
     _check_choice(f"{section}.optim.optimizer", engine.optim.optimizer, OPTIMIZERS)
     _check_choice(f"{section}.optim.lr_decay_style", engine.optim.lr_decay_style, LR_DECAY_STYLES)
     _check_at_least(f"{section}.optim.lr_warmup_steps", engine.optim.lr_warmup_steps, 0)
+    _check_at_least(f"{section}.grad_bucket_size", engine.grad_bucket_size, 0)
 
 
 def _check_supported(key: str, value: int, reason: str) -> None:

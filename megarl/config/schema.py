@@ -146,6 +146,15 @@ class EngineConfig:
     recompute_activations: bool = False
     """Recompute each layer's activations in backward instead of storing them."""
 
+    overlap_grad_reduce: bool = True
+    """Reduce each bucket of gradients over DP as soon as backward has filled it, while backward goes
+    on (megatron DDP's overlap_grad_reduce); false: one reduction after the last micro-batch. The same
+    sums either way."""
+
+    grad_bucket_size: int = 0
+    """Gradient elements per overlapped DP reduction; 0: megatron's default, max(40M, 1M x DP), which
+    leaves a model under 40M parameters in one bucket, reduced after backward."""
+
     offload: bool = False
     """Free this model's device memory while the rollout engine generates: parameters and optimizer
     state are copied to pinned host memory and their device storage freed, gradients are freed (each

@@ -165,7 +165,8 @@ class MegatronEngine:
         # bf16/fp16 gradients are accumulated over micro-batches and reduced over DP in fp32 buffers
         # (megatron's own training does the same): summing in bf16 loses the small contributions.
         ddp_config = DistributedDataParallelConfig(
-            use_distributed_optimizer=distributed, grad_reduce_in_fp32=model_config.dtype != "float32"
+            use_distributed_optimizer=distributed, grad_reduce_in_fp32=model_config.dtype != "float32",
+            overlap_grad_reduce=self.config.overlap_grad_reduce, bucket_size=self.config.grad_bucket_size or None,
         )
         self.model = DistributedDataParallel(self.module.config, ddp_config, self.module)
         self.optimizer = get_megatron_optimizer(

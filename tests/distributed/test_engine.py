@@ -5,7 +5,8 @@ At every layout: log-probs and entropy (temperature 0.7) and critic values equal
 (<= 1e-5). PP2 and DP2 use token-budget micro-batches and TP2 recomputes activations; neither may
 change the update. TP2xPP2 runs each prompt once for the sequences that share it
 (`share_prompt_forward`; the batch holds two prompts sampled twice): the same outputs and step.
-DP2 also trains a bf16 copy of the policy for a few steps beside the fp32 one.
+DP2 reduces gradients in buckets while backward runs (`overlap_grad_reduce`) and also trains a bf16 copy
+of the policy for a few steps beside the fp32 one.
 
 A tiny Qwen3-MoE is trained at EP1, EP2 and TP2xEP2 in one 2-process world (`moe_engine_checks.py`): its
 step, router losses included, equals `transformers` and EP1, its routing metrics equal a count of HF's
@@ -25,7 +26,7 @@ from tests.conftest import ROOT, assert_succeeded, torchrun
 
 SCRIPT = ROOT / "tests/distributed/scripts/engine_checks.py"
 LAYOUTS = {"tp2": (2, ["--tp", 2, "--recompute"]), "pp2": (2, ["--pp", 2, "--dynamic"]),
-           "tp2pp2": (4, ["--tp", 2, "--pp", 2, "--share-prompts"]), "dp2": (2, ["--dynamic", "--bf16-steps", 3])}
+           "tp2pp2": (4, ["--tp", 2, "--pp", 2, "--share-prompts"]), "dp2": (2, ["--dynamic", "--bf16-steps", 3, "--grad-bucket-size", 20000])}
 
 
 def _run(tiny_models, out, nproc, extra):
@@ -95,6 +96,11 @@ def test_layout_matches_transformers_and_tp1_step(baseline, layout_run, layout):
     assert report["grad_norm"] == pytest.approx(base_report["grad_norm"], rel=1e-5)
     for name, tensor in base_weights.items():
         assert torch.allclose(weights[name], tensor, atol=1e-5, rtol=0), f"{layout}: {name}"
+
+
+def test_dp2_reduces_gradients_in_several_overlapped_buckets(layout_run):
+    report, _ = layout_run("dp2")
+    assert report["grad_buckets"] > 1  # its weights equal TP1's: test_layout_matches_transformers_and_tp1_step
 
 
 def test_bf16_accumulates_gradients_in_fp32_and_tracks_fp32_losses(layout_run):

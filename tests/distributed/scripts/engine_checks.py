@@ -29,6 +29,7 @@ parser.add_argument("--pp", type=int, default=1)
 parser.add_argument("--dynamic", action="store_true", help="token-budget micro-batches")
 parser.add_argument("--recompute", action="store_true", help="recompute activations in backward")
 parser.add_argument("--share-prompts", action="store_true", help="share_prompt_forward: one row per distinct prompt")
+parser.add_argument("--grad-bucket-size", type=int, default=0, help="gradient elements per overlapped DP reduction")
 parser.add_argument("--dtype", default="float32", help="the policy's and critic's model.dtype")
 parser.add_argument("--bf16-steps", type=int, default=0,
                     help="then train the fp32 policy and a bf16 copy this many steps each, reporting both losses")
@@ -46,6 +47,7 @@ batch = SequenceBatch(tokens, prompt_lengths, response_lengths).select(share)
 engine_config = EngineConfig(
     micro_batch_size_per_rank=2, use_dynamic_batch_size=args.dynamic, max_token_len_per_rank=40,
     recompute_activations=args.recompute, share_prompt_forward=args.share_prompts,
+    grad_bucket_size=args.grad_bucket_size,
     optim=OptimizerConfig(lr=1e-3, adam_eps=1e-6, clip_grad=1.0, weight_decay=0.01),
 )
 
@@ -122,6 +124,7 @@ if args.bf16_steps:
                              for _ in range(args.bf16_steps)]
 report["offload_bytes"] = policy.memory.offload()  # device bytes freed, per category
 report["param_count"] = sum(p.numel() for p in policy.module.parameters())
+report["grad_buckets"] = sum(len(buffer.buckets) for buffer in policy.model.buffers)
 if dist.get_rank() == 0:
     print("REPORT " + json.dumps(report), flush=True)
 dist.destroy_process_group()
