@@ -1,7 +1,11 @@
 """Metrics of a run, to the console and to mlflow; only global rank 0 writes.
 
-mlflow receives every step; the console (`megarl.tracking.console`) shows a progress bar and a line
-every `log_freq` steps. mlflow defaults to a SQLite file in the run directory, an embedded store that
+mlflow receives every step, written in one batch every `log_freq` steps and whenever the trainer
+saves a checkpoint (`flush`): each metric row costs SQLite work (about 0.25 ms written alone, half
+of it in a batch), which rank 0 would otherwise spend in every step while the other ranks wait. A
+killed job loses no step it resumes after: the store holds every step up to its last checkpoint,
+and the steps after it run again. The console (`megarl.tracking.console`) shows a progress bar and
+a line every `log_freq` steps. mlflow defaults to a SQLite file in the run directory, an embedded store that
 needs no server: `mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow.db` shows the run. Its
 artifacts (curves, config) are kept beside it in `<run_dir>/mlartifacts`; mlflow's own default,
 `./mlruns` of whatever directory the job was started from, would scatter them away from the run and
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
@@ -57,6 +62,8 @@ class Tracker:
         self.loggers = set(loggers) if is_writer else set()
         self.console = Console("console" in self.loggers, log_freq, last_step)
         self.history: dict[str, list[tuple[int, float]]] = {}
+        self.log_freq, self.last_step = log_freq, last_step
+        self.unwritten: list = []  # mlflow Metric rows logged since the last flush
         self.run_dir = run_dir
         self._mlflow = None
         self.run_id = None
@@ -84,8 +91,19 @@ class Tracker:
         for key, value in finite.items():
             self.history.setdefault(key, []).append((step, value))
         if self._mlflow is not None:
-            self._mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in finite.items()}, step=step)
+            from mlflow.entities import Metric
+
+            now = int(time.time() * 1000)
+            self.unwritten += [Metric(k.replace("@", "_at_"), v, now, step) for k, v in finite.items()]
+            if step % self.log_freq == 0 or step == self.last_step:
+                self.flush()
         self.console.show(finite, step)
+
+    def flush(self) -> None:
+        """Write the metrics logged since the last flush to mlflow."""
+        if self.unwritten:
+            self._mlflow.MlflowClient().log_batch(self.run_id, metrics=self.unwritten)
+            self.unwritten = []
 
     def progress(self, steps: range):
         """Iterate the training steps under the console's progress bar (rank 0)."""
@@ -97,4 +115,5 @@ class Tracker:
 
     def close(self) -> None:
         if self._mlflow is not None:
+            self.flush()
             self._mlflow.end_run()

@@ -177,6 +177,7 @@ class RLTrainer:
                 last.update(self.validate(step))
             self.tracker.log(last, step)
             if trainer.save_freq and (step % trainer.save_freq == 0 or step == trainer.total_steps):
+                self.tracker.flush()  # the store holds every step the checkpoint resumes after
                 queue = {"rollout_queue": self.policy.queue()} if self.world is not None else {}
                 self.checkpointer.save(step, self._trainable(), {
                     "sampler": self.sampler.state_dict(), "kl_coef": self.kl_ctrl.value,

@@ -59,3 +59,23 @@ def test_a_run_id_the_store_lacks_starts_a_new_run_with_one_warning(tmp_path, ca
     history = _client(tmp_path).get_metric_history(other.run_id, "reward/mean")
     assert [(m.step, m.value) for m in history] == [(3, 3.0)]
     assert _client(tmp_path).get_run(other.run_id).data.params == {"lr": "1.0"}
+
+
+def test_metrics_reach_the_store_every_log_freq_steps_on_flush_and_at_close(tmp_path):
+    tracker = Tracker(["mlflow"], tmp_path, "exp", "", {}, is_writer=True, log_freq=3, last_step=10)
+
+    def stored():
+        history = _client(tmp_path).get_metric_history(tracker.run_id, "reward/mean")
+        return sorted((m.step, m.value) for m in history)
+
+    for step in (1, 2):
+        tracker.log({"reward/mean": float(step)}, step)
+    assert stored() == []
+    tracker.log({"reward/mean": 3.0}, step=3)
+    assert stored() == [(1, 1.0), (2, 2.0), (3, 3.0)]
+    tracker.log({"reward/mean": 4.0}, step=4)
+    tracker.flush()  # what the trainer does before saving a checkpoint
+    assert stored()[-1] == (4, 4.0)
+    tracker.log({"reward/mean": 5.0}, step=5)
+    tracker.close()
+    assert stored() == [(step, float(step)) for step in range(1, 6)]
