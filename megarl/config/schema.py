@@ -168,8 +168,11 @@ class EngineConfig:
     share_prompt_forward: bool = False
     """Run a prompt once for all sequences of a micro-batch that share it (a GRPO group's samples): a
     row holds the prompt, then each response, attending to the prompt and to itself. Same outputs and
-    gradients up to float rounding, with (n-1)/n of the prompt tokens not recomputed. Dense models
-    with model.layer_spec=local and without Transformer Engine (its kernels take no per-row mask)."""
+    gradients up to float rounding, with (n-1)/n of the prompt tokens not recomputed. Attention runs
+    over whole rows, (P + nR)^2 scores for n responses of length R to a prompt of length P instead of
+    n(P + R)^2, so it pays where the linear layers dominate: short sequences, long shared prompts.
+    Dense models with model.layer_spec=local and without Transformer Engine (its kernels take no
+    per-row mask)."""
 
 
 @dataclass
