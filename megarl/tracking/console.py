@@ -74,10 +74,14 @@ class Console:
         finally:
             bar.close()
 
+    def ends_period(self, step: int) -> bool:
+        """Whether `step` is every `log_freq`-th step or the run's last."""
+        return step % self.log_freq == 0 or step == self.last_step
+
     def show(self, metrics: dict[str, float], step: int) -> None:
         if not self.enabled:
             return
-        if step % self.log_freq and step != self.last_step and not any(k.startswith("val/") for k in metrics):
+        if not self.ends_period(step) and not any(k.startswith("val/") for k in metrics):
             return
         shown = "  ".join(f"{k}={metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics)
         tqdm.write(f"step {step}: {shown}", file=sys.stdout)

@@ -4,12 +4,14 @@ mlflow receives every step, written in one batch every `log_freq` steps and when
 saves a checkpoint (`flush`): each metric row costs SQLite work (about 0.25 ms written alone, half
 of it in a batch), which rank 0 would otherwise spend in every step while the other ranks wait. A
 killed job loses no step it resumes after: the store holds every step up to its last checkpoint,
-and the steps after it run again. The console (`megarl.tracking.console`) shows a progress bar and
-a line every `log_freq` steps. mlflow defaults to a SQLite file in the run directory, an embedded store that
-needs no server: `mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow.db` shows the run. Its
-artifacts (curves, config) are kept beside it in `<run_dir>/mlartifacts`; mlflow's own default,
-`./mlruns` of whatever directory the job was started from, would scatter them away from the run and
-mix those of every run directory (each store numbers its experiment 1). The history of every metric
+and the steps after it run again.
+
+The console (`megarl.tracking.console`) shows a progress bar and a line every `log_freq` steps.
+mlflow defaults to a SQLite file in the run directory, an embedded store that needs no server:
+`mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow.db` shows the run. Its artifacts (curves,
+config) are kept beside it in `<run_dir>/mlartifacts`; mlflow's own default, `./mlruns` of whatever
+directory the job was started from, would scatter them away from the run and mix those of every run
+directory (each store numbers its experiment 1). The history of every metric
 is also kept in memory for the end-of-run curves (`megarl.trainer.curves`).
 
 A resumed job continues the mlflow run its checkpoint names. When the store does not have that run
@@ -62,7 +64,6 @@ class Tracker:
         self.loggers = set(loggers) if is_writer else set()
         self.console = Console("console" in self.loggers, log_freq, last_step)
         self.history: dict[str, list[tuple[int, float]]] = {}
-        self.log_freq, self.last_step = log_freq, last_step
         self.unwritten: list = []  # mlflow Metric rows logged since the last flush
         self.run_dir = run_dir
         self._mlflow = None
@@ -95,7 +96,7 @@ class Tracker:
 
             now = int(time.time() * 1000)
             self.unwritten += [Metric(k.replace("@", "_at_"), v, now, step) for k, v in finite.items()]
-            if step % self.log_freq == 0 or step == self.last_step:
+            if self.console.ends_period(step):
                 self.flush()
         self.console.show(finite, step)
 
