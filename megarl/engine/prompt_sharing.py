@@ -64,7 +64,7 @@ def share_prompts(batch: SequenceBatch, multiple: int = 1) -> SharedPromptInput:
         starts.append((row, len(tokens[row])))
         tokens[row] += batch.tokens_BT[i, prompt_length:length].tolist()
         positions[row] += range(prompt_length, length)
-        branches[row] += [max(branches[row]) + 1] * (length - prompt_length)
+        branches[row] += [branches[row][-1] + 1] * (length - prompt_length)  # the next response number
 
     width = max(map(len, tokens))
     width += -width % multiple
