@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from megarl.agent.environment import ToolEnvironment, load_environment
+from megarl.agent.sandbox import CHILD
 from megarl.agent.tools import load_tools
 from megarl.config.schema import MultiTurnConfig, RolloutConfig, SandboxConfig
 from megarl.data.dataset import Prompt
@@ -138,7 +139,7 @@ def test_a_sandbox_dies_with_the_process_that_started_it_and_its_directory_goes_
               "run_python('import time\\ntime.sleep(60)', SandboxConfig(), 60, 100)"
     helper = psutil.Popen([sys.executable, "-c", started], env={**os.environ, "PYTHONPATH": str(ROOT)})
     deadline = time.monotonic() + 20
-    while not (children := helper.children()) and time.monotonic() < deadline:
+    while not (children := _sandboxes(helper)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(children) == 1, "the helper started no sandbox"
     scratch = Path(children[0].cmdline()[3])
@@ -149,3 +150,9 @@ def test_a_sandbox_dies_with_the_process_that_started_it_and_its_directory_goes_
     assert scratch.is_dir()  # nobody was left to delete it: the next run's python tool does
     load_tools(MultiTurnConfig(tools=["python"]))
     assert not scratch.exists()
+
+
+def _sandboxes(process: psutil.Process) -> list[psutil.Process]:
+    """The children of `process` that already run the sandbox (a child between fork and exec still
+    shows its parent's command line)."""
+    return [child for child in process.children() if str(CHILD) in child.cmdline()]
