@@ -5,10 +5,14 @@
 
 The tokenizer (built with `tokenizers`) has one token per printable ASCII character plus chat
 special tokens and a chat template; its 101 tokens are deliberately not a multiple of any TP size,
-so vocabulary padding is always exercised. With --bos it also has a BOS token (102 tokens) that its
-post-processor prepends to every encoded text, as Llama's and Mistral's tokenizers do, and that its
-chat template renders (tokenizing the rendered template must then add no special tokens). Every weight, including norms and biases, is random
-(HF initialises norms to one and biases to zero, which would hide mapping mistakes).
+so vocabulary padding is always exercised. It is byte-level, as GPT-2's and Qwen2's are (a space is
+the token `Ġ`, a newline `Ċ`), with no merges: transformers loads a Qwen model's tokenizer as its own
+Qwen2Tokenizer, which rebuilds Qwen2's byte-level pipeline around the saved vocabulary, and that
+pipeline must find every character, whitespace included. With --bos it also has a BOS token (102
+tokens) that its post-processor prepends to every encoded text, as Llama's and Mistral's tokenizers
+do, and that its chat template renders (tokenizing the rendered template must then add no special
+tokens). Every weight, including norms and biases, is random (HF initialises norms to one and biases
+to zero, which would hide mapping mistakes).
 
 The mixture-of-experts families (qwen3_moe, qwen2_moe, mixtral) have --num-experts experts of
 intermediate size --moe-ffn-hidden-size per layer, --top-k routed per token; Qwen2-MoE adds a
@@ -22,7 +26,7 @@ import argparse
 import string
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -59,10 +63,10 @@ def make_tokenizer(bos: bool = False) -> PreTrainedTokenizerFast:
     """The character-level tokenizer; `bos`: one that prepends BOS to every text it encodes."""
     characters = sorted(set(string.printable) - set("\t\r\x0b\x0c"))
     special_tokens = SPECIAL_TOKENS + ([BOS_TOKEN] if bos else [])
-    vocab = {token: i for i, token in enumerate(special_tokens + characters)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<|unk|>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tokenizer.decoder = decoders.Fuse()
+    vocab = {token: i for i, token in enumerate(special_tokens + [character_token(c) for c in characters])}
+    tokenizer = Tokenizer(models.BPE(vocab, merges=[], unk_token="<|unk|>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(special_tokens)
     if bos:
         tokenizer.post_processor = processors.TemplateProcessing(
@@ -75,6 +79,17 @@ def make_tokenizer(bos: bool = False) -> PreTrainedTokenizerFast:
         bos_token=BOS_TOKEN if bos else None,
         chat_template=("{{ bos_token }}" if bos else "") + CHAT_TEMPLATE,
     )
+
+
+def character_token(character: str) -> str:
+    """The vocabulary's token for one character: byte-level BPE's printable stand-in for its byte
+    (GPT-2's table: the printable Latin-1 bytes stand for themselves, every other byte for the next
+    unused code point from 256 on; so " " is "Ġ" and a newline "Ċ")."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    byte = ord(character)
+    if byte in printable:
+        return character
+    return chr(256 + sum(b not in printable for b in range(byte)))
 
 
 def make_config(args, tokenizer: PreTrainedTokenizerFast):

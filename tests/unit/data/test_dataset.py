@@ -104,7 +104,7 @@ def tokenizer():
 
 
 def char_ids(tokenizer, text):
-    return tokenizer.convert_tokens_to_ids(list(text))
+    return tokenizer.convert_tokens_to_ids([make_tiny_model.character_token(c) for c in text])
 
 
 def test_chat_template_is_applied(tmp_path, tokenizer):

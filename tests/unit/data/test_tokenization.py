@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from tokenizers import processors
+from transformers import AutoConfig, AutoTokenizer
 
 from megarl.data import PromptDataset, write_rows
 from megarl.data.tokenization import prompt_ids
@@ -23,7 +24,7 @@ import make_tiny_model  # noqa: E402
 
 
 def _chars(tokenizer, text: str) -> list[int]:
-    return tokenizer.convert_tokens_to_ids(list(text))
+    return tokenizer.convert_tokens_to_ids([make_tiny_model.character_token(c) for c in text])
 
 
 def _row(prompt, ground_truth="3") -> dict:
@@ -54,6 +55,19 @@ def test_prompts_carry_the_tokenizers_bos_once(tokenizer, tmp_path):
     sequence = raw[0].prompt_ids + reference_response(raw[0], tokenizer, None, max_response_length=8)[0]
     assert sequence == bos + _chars(tokenizer, "1+2=3") + [tokenizer.eos_token_id]
 
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_transformers_loads_the_saved_tokenizer_as_it_was_made(tokenizer, family, tmp_path):
+    """transformers loads a Qwen model's tokenizer as Qwen2Tokenizer, which rebuilds Qwen2's own
+    pipeline around the saved vocabulary; whitespace and every other character must survive it."""
+    tokenizer.save_pretrained(tmp_path)
+    AutoConfig.for_model(family).save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    text = 'Tools: calculator\n{"a": 1}'
+    bos = [tokenizer.convert_tokens_to_ids("<|bos|>")] if tokenizer.bos_token else []
+    assert loaded(text)["input_ids"] == bos + _chars(tokenizer, text)
+    assert loaded.decode(_chars(tokenizer, text)) == text
 
 def test_parity_prompts_carry_the_tokenizers_bos(tokenizer, tmp_path):
     tokenizer.save_pretrained(tmp_path)
