@@ -56,7 +56,6 @@ def test_prompts_carry_the_tokenizers_bos_once(tokenizer, tmp_path):
     assert sequence == bos + _chars(tokenizer, "1+2=3") + [tokenizer.eos_token_id]
 
 
-
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_transformers_loads_the_saved_tokenizer_as_it_was_made(tokenizer, family, tmp_path):
     """transformers loads a Qwen model's tokenizer as Qwen2Tokenizer, which rebuilds Qwen2's own
@@ -68,6 +67,7 @@ def test_transformers_loads_the_saved_tokenizer_as_it_was_made(tokenizer, family
     bos = [tokenizer.convert_tokens_to_ids("<|bos|>")] if tokenizer.bos_token else []
     assert loaded(text)["input_ids"] == bos + _chars(tokenizer, text)
     assert loaded.decode(_chars(tokenizer, text)) == text
+
 
 def test_parity_prompts_carry_the_tokenizers_bos(tokenizer, tmp_path):
     tokenizer.save_pretrained(tmp_path)
