@@ -34,6 +34,7 @@ from transformers import (
     GenerationConfig,
     PreTrainedTokenizerFast,
 )
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from megarl.models.architecture import HF_CLASS_PREFIX
 
@@ -83,13 +84,8 @@ def make_tokenizer(bos: bool = False) -> PreTrainedTokenizerFast:
 
 def character_token(character: str) -> str:
     """The vocabulary's token for one character: byte-level BPE's printable stand-in for its byte
-    (GPT-2's table: the printable Latin-1 bytes stand for themselves, every other byte for the next
-    unused code point from 256 on; so " " is "Ġ" and a newline "Ċ")."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    byte = ord(character)
-    if byte in printable:
-        return character
-    return chr(256 + sum(b not in printable for b in range(byte)))
+    (GPT-2's table, as transformers converts tokenizers with it: " " is "Ġ", a newline "Ċ")."""
+    return bytes_to_unicode()[ord(character)]
 
 
 def make_config(args, tokenizer: PreTrainedTokenizerFast):
