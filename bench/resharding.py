@@ -81,9 +81,7 @@ def sync_worker(bucket_mib: int, engine_tp: int) -> None:
     dist.all_gather_object(gathered, stats)
     if dist.get_rank() == 0:
         print("SYNC " + json.dumps(gathered), flush=True)
-    dist.barrier()
     engine.shutdown()
-    os._exit(0)
 
 
 def rollout_worker(kind: str) -> None:

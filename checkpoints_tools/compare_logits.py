@@ -17,7 +17,7 @@ import sys
 import torch.distributed as dist
 
 from megarl.config.schema import DTYPES, LAYER_SPECS
-from megarl.distributed import init_layout
+from megarl.distributed import init_layout, leave_process_group
 from megarl.engine.parity import max_difference
 from megarl.models.hf_interop import load_hf_model
 
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
             verdict = "OK" if ok else "FAIL"
             print(f"{verdict} {model_dir} {layout} {args.dtype}: max |megatron - transformers| = {difference:.3e} "
                   f"(tolerance {args.tolerance:g})", flush=True)
-    dist.destroy_process_group()
+    leave_process_group()
     return 1 if failed else 0
 
 

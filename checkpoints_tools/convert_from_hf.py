@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
 from megarl.checkpoint.staging import begin, finish
-from megarl.distributed import init_layout
+from megarl.distributed import init_layout, leave_process_group
 from megarl.models.hf_interop import load_hf_model
 
 
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     published = finish(root, 0, source)
     if dist.get_rank() == 0:
         print(f"wrote {published} from {layout}", flush=True)
-    dist.destroy_process_group()
+    leave_process_group()
     return 0
 
 

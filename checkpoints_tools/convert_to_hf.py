@@ -19,7 +19,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megarl.checkpoint.model_loading import load_model, model_problem
-from megarl.distributed import init_layout
+from megarl.distributed import init_layout, leave_process_group
 from megarl.engine.parity import max_difference
 from megarl.models.hf_interop import export_hf
 
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
                   f"({'OK' if not status else 'FAIL'}, tolerance {args.tolerance:g})", flush=True)
     elif dist.get_rank() == 0:
         print(f"wrote {args.output}", flush=True)
-    dist.destroy_process_group()
+    leave_process_group()
     return status
 
 

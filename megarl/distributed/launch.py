@@ -1,4 +1,4 @@
-"""Joining the torchrun world: one process per device (GPU) or per CPU worker.
+"""Joining and leaving the torchrun world: one process per device (GPU) or per CPU worker.
 
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT. Without them (a plain
 `python script.py`) we run as a world of one. `megarl.device` picks the backend (NCCL with CUDA,
@@ -33,6 +33,16 @@ def init_process_group() -> None:
     configure_process()
     device.select_local_device()
     dist.init_process_group(backend=device.backend(), timeout=collective_timeout())
+
+
+def leave_process_group() -> None:
+    """Leave the world at the end of a run that succeeded on every rank: wait for the others, then
+    destroy every process group while the interpreter is whole. A process that exits with gloo's
+    groups alive can abort after its work is done ("terminate called without an active exception":
+    gloo's threads meet the interpreter's teardown). A vLLM engine's teardown may have done it already."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def collective_timeout() -> datetime.timedelta:

@@ -90,7 +90,8 @@ class RolloutEngine(Protocol):
         "kv_cache" after it, so that each comes back into memory the trainer has just freed."""
 
     def shutdown(self) -> None:
-        """Release what outlives the process (shared memory); the last call of a job."""
+        """The last call of a job, on every rank together: release the engine and what outlives the
+        process (shared memory). A backend's teardown may destroy the process groups."""
 
 
 ROLLOUT_BACKENDS: Registry[type] = Registry("rollout backend")

@@ -27,6 +27,7 @@ from typing import Iterable
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from megarl import device
 from megarl.rollout import routing_capture
@@ -175,9 +176,13 @@ class VLLMRollout:
         self.guard.end()
 
     def shutdown(self) -> None:
-        """Remove this job's shared-memory segments (vLLM's CPU TP groups); call once, at the end.
+        """Tear the engine down and remove this job's shared-memory segments (vLLM's CPU TP groups).
 
-        The engine itself is not torn down: its teardown destroys the default process group."""
+        vLLM's teardown destroys every process group of this process, the default one included, so
+        the ranks first wait for each other: none may still need a group. Otherwise it would run at
+        exit, unsynchronised, and fail on groups already destroyed (`leave_process_group`)."""
+        dist.barrier()
+        self.llm.llm_engine.engine_core.shutdown()
         for path in glob.glob(f"/dev/shm/{os.environ['VLLM_DIST_IDENT']}-*cpushm*"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
