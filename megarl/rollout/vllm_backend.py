@@ -54,20 +54,6 @@ def _preserve_process_state():
 
 
 _RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
-_CPU_WORKER_LOGGER = "vllm.v1.worker.cpu_worker"
-
-
-class _ThreadCountKept(logging.Filter):
-    """Drops vLLM's "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding,
-    skip it": its CPU worker swaps `torch.set_num_threads` for that warning, then its own start-up calls
-    it (four lines a process). The count it keeps is the one OMP_NUM_THREADS asked for, and
-    `_preserve_process_state` gives `torch.set_num_threads` back once the engine is built."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "`torch.set_num_threads` after the thread binding" not in record.getMessage()
-
-
-logging.getLogger(_CPU_WORKER_LOGGER).addFilter(_ThreadCountKept())
 
 
 class _NothingToReload(logging.Filter):

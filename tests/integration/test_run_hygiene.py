@@ -4,9 +4,10 @@ One lineage of launches shares a checkpoint directory: a run saves steps 1 and 2
 is then truncated to 0 bytes; a run with another output directory (so another mlflow store) resumes
 automatically. It must skip the damaged checkpoint for step 1, start a new mlflow run instead of
 crashing on the one the checkpoint names, keep only the checkpoint it just wrote, and keep its
-mlflow artifacts in its run directory. Start-up failures (resume_mode=disable into that directory,
-a reward function with the wrong signature) print one line once and leave no config.yaml; a reward
-function returning None stops the run at its first step.
+mlflow artifacts in its run directory. The first run's console holds no known library notice.
+Start-up failures (resume_mode=disable into that directory, a reward function with the wrong
+signature) print one line once and leave no config.yaml; a reward function returning None stops the
+run at its first step.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def lineage(tiny_models, tmp_path_factory):
         return result
 
     launch.root = root
-    first = launch("first", "trainer.total_steps=2", "trainer.save_freq=1")
-    assert_succeeded(first)
+    launch.first = launch("first", "trainer.total_steps=2", "trainer.save_freq=1")
+    assert_succeeded(launch.first)
     return launch
 
 
@@ -55,6 +56,17 @@ def _one_error_line(result) -> str:
 def _store(run_dir):
     client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")
     return client, client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id])
+
+
+def test_a_run_prints_no_library_notice_it_has_no_use_for(lineage):
+    """The first run's console (2 processes, each with a vLLM engine): none of the notices vLLM and torch
+    log at every CPU start (about Triton, eager mode, LD_PRELOAD, the seed, megarl's VLLM_DIST_IDENT),
+    no deprecation warning, and no error at exit."""
+    output = lineage.first.stdout + lineage.first.stderr
+    for notice in ("Triton", "Enforce eager", "Inductor", "LD_PRELOAD", "global random seed", "VLLM_DIST_IDENT",
+                   "SSM cache", "set_num_threads", "FutureWarning", "Traceback", "terminate called"):
+        assert notice not in output, output
+    assert "step 2: reward/mean=" in output
 
 
 def test_disable_into_a_directory_with_checkpoints_refuses_before_building_anything(lineage):

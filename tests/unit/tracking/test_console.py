@@ -59,18 +59,29 @@ def test_mlflow_gets_every_step_while_the_console_shows_some(tmp_path, capsys):
 
 def test_known_library_warnings_are_filtered_and_others_kept():
     """In a fresh process: megatron-core's import-time warnings about absent TE/Apex are gone, a
-    warning of another kind still shows, vLLM is told to log at WARNING and mlflow does."""
+    warning of another kind still shows; vLLM's CPU worker's notice about LD_PRELOAD is dropped, its
+    other notices and another unknown vLLM variable still show; vLLM is told to log at WARNING and
+    mlflow does."""
     code = (
         "import os, warnings\n"
         "from megarl.tracking.console import quiet_third_party_logs\n"
         "quiet_third_party_logs()\n"
+        "quiet_third_party_logs()  # a second call adds nothing\n"
         "import megatron.core.optimizer\n"
         "warnings.warn('an unknown warning')\n"
         "import logging, mlflow\n"
-        "print(os.environ['VLLM_LOGGING_LEVEL'], logging.getLogger('mlflow').getEffectiveLevel())\n"
+        "worker = logging.getLogger('vllm.v1.worker.cpu_worker')\n"
+        "worker.warning('%s is not found in LD_PRELOAD. For best performance, ...', 'libtcmalloc')\n"
+        "worker.warning('an unknown notice')\n"
+        "variables = logging.getLogger('vllm.platforms.interface')\n"
+        "for name in ('VLLM_DIST_IDENT', 'VLLM_TYPO'):\n"
+        "    variables.warning('Unknown vLLM environment variable detected: %s', name)\n"
+        "print(os.environ['VLLM_LOGGING_LEVEL'], logging.getLogger('mlflow').getEffectiveLevel(), len(worker.filters))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "Apex" not in result.stderr and "Transformer Engine" not in result.stderr, result.stderr
     assert "an unknown warning" in result.stderr
-    assert result.stdout.split() == ["WARNING", str(logging.WARNING)]
+    assert "LD_PRELOAD" not in result.stderr and "an unknown notice" in result.stderr
+    assert "VLLM_DIST_IDENT" not in result.stderr and "detected: VLLM_TYPO" in result.stderr
+    assert result.stdout.split() == ["WARNING", str(logging.WARNING), "1"]
