@@ -106,7 +106,7 @@ def test_calls_of_a_turn_run_concurrently_and_every_failure_is_an_answer(user_fi
                        ToolCall("refuse", {"reason": "no such city"}), ToolCall("calculator", {"expr": "1"}),
                        ToolCall("search", {}), MalformedToolCall("{", "not valid JSON")])
     elapsed = time.monotonic() - started
-    assert 0.5 <= elapsed < 0.9, f"two 0.5 s calls took {elapsed:.2f} s: not concurrent"
+    assert 0.5 <= elapsed < 1.0, f"two 0.5 s calls took {elapsed:.2f} s: not concurrent"
     assert [(r.name, r.outcome) for r in results] == [
         ("wait", "ok"), ("wait", "ok"), ("refuse", "error"), ("calculator", "error"), ("search", "unknown_tool"),
         ("", "malformed")]
@@ -116,10 +116,10 @@ def test_calls_of_a_turn_run_concurrently_and_every_failure_is_an_answer(user_fi
 
 
 def test_a_call_past_the_timeout_is_a_timeout_answer_and_does_not_hold_the_others(user_file):
-    box = toolbox([f"{user_file}:wait"], timeout_seconds=0.2)
+    box = toolbox([f"{user_file}:wait"], timeout_seconds=1.0)  # ample for the quick call on a loaded machine
     started = time.monotonic()
-    stuck, quick = box.run([ToolCall("wait", {"seconds": 3}), ToolCall("wait", {"seconds": 0.05})])
+    stuck, quick = box.run([ToolCall("wait", {"seconds": 10}), ToolCall("wait", {"seconds": 0.05})])
     elapsed = time.monotonic() - started
-    assert elapsed < 0.2 + 0.5 + 0.3, f"the turn waited {elapsed:.2f} s for a stuck tool"
-    assert (stuck.outcome, stuck.content) == ("timeout", "Error: no answer within 0.2 s")
+    assert elapsed < 1.0 + 3.0, f"the turn waited {elapsed:.2f} s for a stuck tool"
+    assert (stuck.outcome, stuck.content) == ("timeout", "Error: no answer within 1 s")
     assert (quick.outcome, quick.content) == ("ok", "done")
