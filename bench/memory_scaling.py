@@ -134,7 +134,6 @@ def worker(steps: int, overrides: list[str]) -> None:
     dist.all_gather_object(reports, report)
     if dist.get_rank() == 0:
         print("MEMORY " + json.dumps(reports), flush=True)
-    dist.barrier()
     trainer.policy.engine.shutdown()
 
 

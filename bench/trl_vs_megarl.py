@@ -23,9 +23,10 @@ without evaluation. The first --warmup-steps steps of every run are left out of 
 Prints one table: s/step (median), tokens/s (prompt + response tokens of the timed steps over their
 seconds), the ratio to TRL of the same size and shape, and the targets of issue 19 (megarl at 2
 processes >= 2x TRL's tokens/s at 1 process on 1m, >= 2.5x on 30m; megarl at 1 process >= TRL
-everywhere); then every contender's mean seconds per phase and the learning curves. Everything is
-also written to outputs/bench/trl_vs_megarl/results.json. Every process runs one thread
-(OMP_NUM_THREADS=1); the logs of every run are under outputs/bench/trl_vs_megarl/<size>_<shape>_<dtype>/.
+everywhere), after the machine's own ceiling for 2 processes (how much more matmul work 2
+single-thread processes do than 1); then every contender's mean seconds per phase and the learning
+curves. Everything is also written to outputs/bench/trl_vs_megarl/results.json. Every process runs
+one thread (OMP_NUM_THREADS=1); the logs of every run are under outputs/bench/trl_vs_megarl/<size>_<shape>_<dtype>/.
 """
 
 from __future__ import annotations
@@ -218,13 +219,46 @@ def run_megarl(setting: Setting, nproc: int) -> Contender:
                      setting.warmup)
 
 
+PROBE_MATMUL = (320, 512, 1536)
+"""The probe's float32 matmul, (tokens, hidden) @ (hidden, ffn): about the 30m model's MLP in its update."""
+
+
+def two_process_scaling(seconds: float = 2.0, rounds: int = 3) -> float:
+    """Matmuls that 2 single-thread processes do at once over those of 1 alone, in the same seconds: how
+    much the machine lets 2 processes gain over 1 (2.0 on two free cores). Medians of `rounds`
+    alternating runs (one window moves by 10% with the machine). Each process imports torch, then waits
+    for a common start time, so that the timed windows coincide."""
+    tokens, hidden, ffn = PROBE_MATMUL
+    code = ("import sys, time, torch\n"
+            f"a, b = torch.randn({tokens}, {hidden}), torch.randn({hidden}, {ffn})\n"
+            "start = float(sys.argv[1])\n"
+            "time.sleep(max(start - time.time(), 0))\n"
+            f"count, end = 0, start + {seconds}\n"
+            "while time.time() < end:\n"
+            "    a @ b\n"
+            "    count += 1\n"
+            "print(count)\n")
+
+    def matmuls(num_processes: int) -> int:
+        start = str(time.time() + 6)  # after every process's import of torch
+        processes = [subprocess.Popen([sys.executable, "-c", code, start], stdout=subprocess.PIPE, text=True,
+                                      env=dict(os.environ, OMP_NUM_THREADS="1")) for _ in range(num_processes)]
+        return sum(int(process.communicate()[0]) for process in processes)
+
+    alone, together = zip(*((matmuls(1), matmuls(2)) for _ in range(rounds)))
+    return statistics.median(together) / statistics.median(alone)
+
+
 def target(contender: Contender) -> float:
     return SIZES[contender.size].target_2proc if contender.nproc == 2 else TARGET_1PROC
 
 
-def report(contenders: list[Contender], threshold: float, dtype: str) -> None:
+def report(contenders: list[Contender], threshold: float, dtype: str, scaling: float) -> None:
     print(f"\nGRPO on a+b=: <= {RESPONSE_LENGTH} response tokens, lr {LR:g} constant, token-mean loss, no KL, "
           f"one optimizer step per batch, {PRECISION[dtype]}, 1 thread per process")
+    print(f"this machine: 2 single-thread processes do {scaling:.2f}x the float32 matmuls of 1 "
+          f"({' x '.join(map(str, PROBE_MATMUL[:2]))} @ {' x '.join(map(str, PROBE_MATMUL[1:]))}, medians of 3 "
+          "rounds): what 2 processes can gain over 1 here (2.00 on two free cores)")
     print("s/step: median; tokens/s: prompt + response tokens over the seconds of the timed steps (warm-up left out); "
           "x TRL: tokens/s over TRL's at the same size and shape; process s: the whole run, start-up included")
     print(f"{'size':5} {'shape':5} {'contender':28} {'steps':>5} {'s/step':>7} {'tokens/s':>9} {'x TRL':>6} "
@@ -292,7 +326,7 @@ def main() -> None:
             print(f"{size} at {shape}: {steps} steps per contender ...", flush=True)
             contenders.append(run_trl(setting))
             contenders += [run_megarl(setting, nproc) for nproc in (1, 2)]
-    report(contenders, args.threshold, args.dtype)
+    report(contenders, args.threshold, args.dtype, two_process_scaling())
 
 
 def parse_choice(text: str, choices: dict, flag: str) -> list[str]:
