@@ -119,7 +119,8 @@ def rollout_worker(kind: str) -> None:
     seconds = time.perf_counter() - start
     tokens = sum(map(len, result.response_ids)) if kind == "megarl" else sum(result)
     print("ROLLOUT " + json.dumps({"tokens": tokens, "seconds": seconds}), flush=True)
-    os._exit(0)
+    if kind == "megarl":
+        engine.shutdown()
 
 
 def main() -> None:

@@ -221,13 +221,14 @@ def run_megarl(setting: Setting, nproc: int) -> Contender:
 
 PROBE_MATMUL = (320, 512, 1536)
 """The probe's float32 matmul, (tokens, hidden) @ (hidden, ffn): about the 30m model's MLP in its update."""
+PROBE_ROUNDS = 3
+"""Alternating rounds of 1 and 2 processes; the probe takes medians (one window moves by 10% with the machine)."""
 
 
-def two_process_scaling(seconds: float = 2.0, rounds: int = 3) -> float:
+def two_process_scaling(seconds: float = 2.0) -> float:
     """Matmuls that 2 single-thread processes do at once over those of 1 alone, in the same seconds: how
-    much the machine lets 2 processes gain over 1 (2.0 on two free cores). Medians of `rounds`
-    alternating runs (one window moves by 10% with the machine). Each process imports torch, then waits
-    for a common start time, so that the timed windows coincide."""
+    much the machine lets 2 processes gain over 1 (2.0 on two free cores), medians of PROBE_ROUNDS. Each
+    process imports torch, then waits for a common start time, so that the timed windows coincide."""
     tokens, hidden, ffn = PROBE_MATMUL
     code = ("import sys, time, torch\n"
             f"a, b = torch.randn({tokens}, {hidden}), torch.randn({hidden}, {ffn})\n"
@@ -245,7 +246,7 @@ def two_process_scaling(seconds: float = 2.0, rounds: int = 3) -> float:
                                       env=dict(os.environ, OMP_NUM_THREADS="1")) for _ in range(num_processes)]
         return sum(int(process.communicate()[0]) for process in processes)
 
-    alone, together = zip(*((matmuls(1), matmuls(2)) for _ in range(rounds)))
+    alone, together = zip(*((matmuls(1), matmuls(2)) for _ in range(PROBE_ROUNDS)))
     return statistics.median(together) / statistics.median(alone)
 
 
@@ -257,8 +258,8 @@ def report(contenders: list[Contender], threshold: float, dtype: str, scaling: f
     print(f"\nGRPO on a+b=: <= {RESPONSE_LENGTH} response tokens, lr {LR:g} constant, token-mean loss, no KL, "
           f"one optimizer step per batch, {PRECISION[dtype]}, 1 thread per process")
     print(f"this machine: 2 single-thread processes do {scaling:.2f}x the float32 matmuls of 1 "
-          f"({' x '.join(map(str, PROBE_MATMUL[:2]))} @ {' x '.join(map(str, PROBE_MATMUL[1:]))}, medians of 3 "
-          "rounds): what 2 processes can gain over 1 here (2.00 on two free cores)")
+          f"({' x '.join(map(str, PROBE_MATMUL[:2]))} @ {' x '.join(map(str, PROBE_MATMUL[1:]))}, medians of "
+          f"{PROBE_ROUNDS} rounds): what 2 processes can gain over 1 here (2.00 on two free cores)")
     print("s/step: median; tokens/s: prompt + response tokens over the seconds of the timed steps (warm-up left out); "
           "x TRL: tokens/s over TRL's at the same size and shape; process s: the whole run, start-up included")
     print(f"{'size':5} {'shape':5} {'contender':28} {'steps':>5} {'s/step':>7} {'tokens/s':>9} {'x TRL':>6} "
