@@ -75,15 +75,15 @@ class _NothingToReload(logging.Filter):
         return not (layer.endswith("RotaryEmbedding") or (self.tied_lm_head and layer == "ParallelLMHead"))
 
 
-CPU_BLOCK_GRANULE = 32
-"""vLLM's CPU attention wants blocks of a multiple of 32 tokens; it defaults to 128."""
+CPU_BLOCK_GRANULE, CPU_DEFAULT_BLOCK = 32, 128
+"""vLLM's CPU attention wants KV blocks of a multiple of 32 tokens; its platform defaults to 128."""
 
 
 def cpu_block_size(max_model_len: int) -> int:
-    """The smallest block a whole sequence fits in, up to vLLM's CPU default of 128 tokens: a KV cache
-    of 128-token blocks holds 4x fewer sequences of 24 tokens than one of 32-token blocks, and a
-    rollout that does not fit runs in waves."""
-    return min(128, -(-max_model_len // CPU_BLOCK_GRANULE) * CPU_BLOCK_GRANULE)
+    """The smallest block a whole sequence fits in, up to vLLM's CPU default: a KV cache of 128-token
+    blocks holds 4x fewer sequences of 24 tokens than one of 32-token blocks, and a rollout that does
+    not fit runs in waves."""
+    return min(CPU_DEFAULT_BLOCK, -(-max_model_len // CPU_BLOCK_GRANULE) * CPU_BLOCK_GRANULE)
 
 
 @ROLLOUT_BACKENDS.register("vllm")
@@ -99,7 +99,8 @@ class VLLMRollout:
 
             memory = (
                 {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": device.sleep_mode()}
-                if device.cuda() else {"kv_cache_memory_bytes": kv_cache_bytes, "block_size": cpu_block_size(max_model_len)}
+                if device.cuda()
+                else {"kv_cache_memory_bytes": kv_cache_bytes, "block_size": cpu_block_size(max_model_len)}
             )
             self.llm = LLM(
                 model=model_dir, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
