@@ -42,8 +42,10 @@ shard a slice of the whole buffer. gloo runs both slower than the collectives th
 there: over two processes, for 124 MB, its reduce-scatter takes 147 ms and its all-gather 124 ms, an
 all-reduce 84 ms and a broadcast 47 ms; over one rank (DP1) both change nothing, yet gloo copies the
 whole buffer through a scratch one (0.5 s a step for a 30M-parameter model on one core). So: over one
-rank they return at once; otherwise the reduce-scatter all-reduces the buffer (its shard is this
-rank's slice) and the all-gather broadcasts each rank's shard from that rank.
+rank they return at once; over ranks of one host they run through shared memory
+(`megarl.distributed.shared_memory`: the reduce-scatter all-reduces the buffer, whose shard is this
+rank's slice, and the all-gather gathers in place); across hosts the reduce-scatter all-reduces over
+gloo and the all-gather broadcasts each rank's shard from that rank.
 
 How: megatron modules get a *view* of `torch` as their module global `torch`; the view forwards
 everything to the real module, except the attributes a bridge sets on it. Nothing outside
@@ -67,6 +69,7 @@ from typing import Callable, Iterable
 import torch
 
 from megarl import device
+from megarl.distributed.shared_memory import SUPPORTED_DTYPES, shared_memory_group
 
 # Entry points whose imports pull in every megatron module that assumes CUDA; after importing
 # them, each loaded `megatron.core` module gets the view as its `torch` global.
@@ -341,6 +344,10 @@ def _reduce_scatter_in_place(reduce_scatter):
             return reduce_scatter(output, input, op=op, group=group, async_op=async_op)
         if torch.distributed.get_world_size(group) == 1:
             return None  # the shard is the whole buffer; megatron keeps no handle of these calls
+        shared = shared_memory_group(group)
+        if shared is not None and op == torch.distributed.ReduceOp.SUM and input.dtype in SUPPORTED_DTYPES:
+            shared.all_reduce(input)
+            return None
         return torch.distributed.all_reduce(input, op=op, group=group, async_op=async_op)
 
     return faster
@@ -352,6 +359,10 @@ def _all_gather_in_place(all_gather):
         if async_op or not _is_shard_of(input, output, group):
             return all_gather(output, input, group=group, async_op=async_op)
         if torch.distributed.get_world_size(group) == 1:
+            return None
+        shared = shared_memory_group(group)
+        if shared is not None and input.dtype in SUPPORTED_DTYPES:
+            shared.all_gather(output, input)
             return None
         for index, shard in enumerate(output.chunk(torch.distributed.get_world_size(group))):
             source = index if group is None else torch.distributed.get_global_rank(group, index)

@@ -166,24 +166,39 @@ def uneven_sequence_parallel():
 
 def buffer_collectives():
     # Not a bridge: the distributed optimizer's in-place buffer collectives, as megatron calls them (in a
-    # coalescing manager), give what gloo's own reduce-scatter and all-gather give.
+    # coalescing manager), give what gloo's own reduce-scatter and all-gather give: through shared
+    # memory where the ranks share a host (they do here), over gloo where they seem not to.
+    import socket
+    from unittest import mock
+
+    from megarl.distributed.shared_memory import shared_memory_group
+
+    init_layout()
+    assert shared_memory_group(dist.group.WORLD) is not None
+    _buffer_collectives_equal_gloo(dist.group.WORLD)
+    apart = dist.new_group([0, 1])
+    with mock.patch.object(socket, "gethostname", return_value=f"host{dist.get_rank()}"):
+        assert shared_memory_group(apart) is None
+    _buffer_collectives_equal_gloo(apart)
+
+
+def _buffer_collectives_equal_gloo(group):
     from torch.distributed.distributed_c10d import _coalescing_manager
 
     buffers = sys.modules["megatron.core.distributed.param_and_grad_buffer"]
-    init_layout()
     rank, half = dist.get_rank(), 1000
     for seed in range(3):
         grads = torch.randn(2 * half, generator=torch.Generator().manual_seed(10 * seed + rank))
         expected = torch.empty(half)
-        dist.reduce_scatter_tensor(expected, grads.clone())
-        with _coalescing_manager(dist.group.WORLD):
-            buffers.dist_reduce_scatter_func(grads[rank * half: (rank + 1) * half], grads, group=dist.group.WORLD)
+        dist.reduce_scatter_tensor(expected, grads.clone(), group=group)
+        with _coalescing_manager(group):
+            buffers.dist_reduce_scatter_func(grads[rank * half: (rank + 1) * half], grads, group=group)
         assert torch.equal(grads[rank * half: (rank + 1) * half], expected)
         params = torch.randn(2 * half, generator=torch.Generator().manual_seed(10 * seed + rank))
         expected = torch.empty(2 * half)
-        dist.all_gather_into_tensor(expected, params[rank * half: (rank + 1) * half].clone())
-        with _coalescing_manager(dist.group.WORLD):
-            buffers.dist_all_gather_func(params, params[rank * half: (rank + 1) * half], group=dist.group.WORLD)
+        dist.all_gather_into_tensor(expected, params[rank * half: (rank + 1) * half].clone(), group=group)
+        with _coalescing_manager(group):
+            buffers.dist_all_gather_func(params, params[rank * half: (rank + 1) * half], group=group)
         assert torch.equal(params, expected)
 
 
