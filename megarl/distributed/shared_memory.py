@@ -8,7 +8,7 @@ an all-reduce of 3.2 MB takes 0.4 ms that way against 3.3 ms over gloo, of 124 M
 90 ms; for 2 ranks the sum is gloo's to the bit (a + b is b + a).
 
 `shared_memory_group(group)` gives such a group, made once per process group, or None where the
-ranks span hosts, vLLM's kernels are absent or its ranks disagree. Every rank of `group` must call it
+ranks span hosts or a rank lacks vLLM's kernels. Every rank of `group` must call it
 at the same point (it is collective the first time). Each rank unlinks its segment as soon as every
 peer has mapped it: the memory lives as long as the processes, and a killed job leaves nothing in
 /dev/shm.
