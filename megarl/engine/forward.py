@@ -8,10 +8,10 @@ per call); attention is causal, so right padding never changes the outputs of re
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megarl import device
+from megarl.distributed import collectives
 from megarl.distributed.layout import ParallelLayout
 
 
@@ -46,6 +46,4 @@ def gather_vocab(logits_BTV: torch.Tensor, layout: ParallelLayout) -> torch.Tens
     training never materialises the full vocabulary on one rank)."""
     if layout.tp == 1:
         return logits_BTV
-    slices = [torch.empty_like(logits_BTV) for _ in range(layout.tp)]
-    dist.all_gather(slices, logits_BTV.contiguous(), group=layout.tp_group)
-    return torch.cat(slices, dim=-1)
+    return torch.cat(collectives.all_gather(logits_BTV.contiguous(), group=layout.tp_group), dim=-1)

@@ -40,6 +40,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from kernels.vocab_parallel_logprobs import logprobs_and_entropy
 from megarl.config.schema import EngineConfig, ModelConfig
 from megarl import device
+from megarl.distributed import collectives
 from megarl.distributed.layout import ParallelLayout
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.batching import (
@@ -213,7 +214,7 @@ class MegatronEngine:
         sequences, then that many (ranks merge micro-batches beyond their size then). An idle rank
         repeats its zero-weight stand-in."""
         wanted = torch.tensor([0 if idle else len(micro), -len(batch) if not idle else -(1 << 30)])
-        dist.all_reduce(wanted, op=dist.ReduceOp.MAX, group=self.layout.dp_group)
+        collectives.all_reduce(wanted, op=dist.ReduceOp.MAX, group=self.layout.dp_group)
         count = min(int(wanted[0]), -int(wanted[1]))
         if idle:
             return [micro[0]] * count
@@ -351,8 +352,7 @@ class MegatronEngine:
         weight = 0.0 if idle else 1.0
         # (model's response tokens, sequences, all tokens) of each DP rank's share: the loss normalizer and the balance.
         counts = weight * torch.tensor([batch.num_loss_tokens, len(batch), int(batch.sequence_lengths_B.sum())])
-        counts_per_rank = [torch.zeros(3, dtype=torch.float64) for _ in range(self.layout.dp)]
-        dist.all_gather(counts_per_rank, counts.double(), group=self.layout.dp_group)
+        counts_per_rank = collectives.all_gather(counts.double(), group=self.layout.dp_group)
         num_tokens, num_sequences, num_all_tokens = map(int, sum(counts_per_rank))
         normalizer = LossNormalizer(num_tokens, num_sequences)
         # megatron's routers hand their losses to the backward as sums over their micro-batch's tokens
@@ -399,7 +399,7 @@ class MegatronEngine:
         if self.layout.is_last_stage:
             names = sorted(collected[0])
             sums = torch.stack([sum(c[name].float() for c in collected) for name in names])
-            dist.all_reduce(sums, group=self.layout.dp_group)
+            collectives.all_reduce(sums, group=self.layout.dp_group)
             metrics = dict(zip(names, sums.tolist()))
         if self.layout.pp > 1:
             box = [metrics]

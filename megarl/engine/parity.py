@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, 
 
 from megarl import device
 from megarl.data.tokenization import prompt_ids
+from megarl.distributed import collectives
 from megarl.distributed.layout import ParallelLayout
 from megarl.engine.batch import right_pad
 from megarl.engine.forward import forward_outputs, gather_vocab
@@ -50,5 +51,5 @@ def max_difference(model: torch.nn.Module, arch: Architecture, layout: ParallelL
             with torch.no_grad():
                 expected = reference(tokens_BT).logits
             difference[0] = (outputs.float().cpu() - expected)[mask_BT].abs().max()
-    dist.all_reduce(difference, op=dist.ReduceOp.MAX)
+    collectives.all_reduce(difference, op=dist.ReduceOp.MAX)
     return difference.item()

@@ -26,11 +26,11 @@ REPLAY_BACKWARD). Agreement counts the first pass only.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay
 
 from megarl import device
+from megarl.distributed import collectives
 from megarl.distributed.layout import ParallelLayout
 
 
@@ -88,7 +88,7 @@ class RoutingReplay:
         counts = self.counts * weight
         groups = ([layout.tp_group] if self.sequence_parallel[1] > 1 else []) + [layout.pp_group, layout.dp_group]
         for group in groups:
-            dist.all_reduce(counts, group=group)
+            collectives.all_reduce(counts, group=group)
         agreeing, recorded = counts.tolist()
         return {"moe/routing_agreement": agreeing / recorded} if recorded else {}
 

@@ -21,11 +21,11 @@ in the backward (`MegatronEngine.train_mini_batch`), never in the reported losse
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 from megatron.core.transformer.moe.router import TopKRouter
 
 from megarl import device
+from megarl.distributed import collectives
 from megarl.distributed.layout import ParallelLayout
 
 
@@ -74,9 +74,9 @@ class RoutingStats:
         for k, name in enumerate(names):
             values_L = tracker[name]["values"].detach().double() * self.weight  # sums over micro-batches
             if tracker[name]["reduce_group"] is not None:  # parts of one loss on the TP (sequence-parallel) ranks
-                dist.all_reduce(values_L, group=tracker[name]["reduce_group"])
+                collectives.all_reduce(values_L, group=tracker[name]["reduce_group"])
             elif self.sequence_parallel:  # the z-loss: each TP rank's mean over its own part of the tokens
-                dist.all_reduce(values_L, group=layout.tp_group)
+                collectives.all_reduce(values_L, group=layout.tp_group)
                 values_L /= layout.tp
             losses_KL[k] = values_L.to(losses_KL.device)
         clear_aux_losses_tracker()
@@ -84,10 +84,10 @@ class RoutingStats:
         count = torch.tensor([num_micro_batches * self.weight if layout.is_first_stage else 0.0],
                              dtype=torch.float64, device=losses_KL.device)
         if self.sequence_parallel:
-            dist.all_reduce(self.tokens_LE, group=layout.tp_group)
+            collectives.all_reduce(self.tokens_LE, group=layout.tp_group)
         totals = torch.cat([self.tokens_LE.flatten(), losses_KL.flatten(), count])
         for group in (layout.pp_group, layout.dp_group):
-            dist.all_reduce(totals, group=group)
+            collectives.all_reduce(totals, group=group)
         tokens_LE = totals[: self.tokens_LE.numel()].view_as(self.tokens_LE).cpu()
         losses_KL = totals[self.tokens_LE.numel() : -1].view_as(losses_KL).cpu() / totals[-1].item()
         metrics = {}

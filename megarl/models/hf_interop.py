@@ -18,6 +18,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
+from megarl.distributed import collectives
 from megarl.distributed.layout import ParallelLayout
 from megarl.models.architecture import Architecture, architecture_from_hf, read_hf_config
 from megarl.models.builder import MoESettings, ScheduleSettings, build_model
@@ -82,8 +83,8 @@ def gather_hf_state_dict(model: torch.nn.Module, arch: Architecture, layout: Par
         if mapping.megatron_name == "output_layer.weight" and arch.tie_word_embeddings:
             continue  # the last stage's copy of the tied embedding; the first stage exports it
         param = params[mapping.megatron_name].detach()
-        shards = [torch.empty_like(param) for _ in range(tp_split(mapping, layout)[1])]
-        dist.all_gather(shards, param.contiguous(), group=layout.etp_group if mapping.expert else layout.tp_group)
+        group = layout.etp_group if mapping.expert else layout.tp_group
+        shards = collectives.all_gather(param.contiguous(), group=group)
         merged = merge_shards(mapping, arch, shards)
         if mapping.expert:
             merged = _gather_over_ep(merged, mapping, [named[index] for named in named_by_ep_rank], layout)
@@ -96,8 +97,7 @@ def _gather_over_ep(merged: dict[str, torch.Tensor], mapping: ParamMapping, as_n
     """Every EP rank's version of one expert weight (each rank holds different experts)."""
     gathered = {}
     for position, name in enumerate(mapping.hf_names):
-        tensors = [torch.empty_like(merged[name]) for _ in range(layout.ep)]
-        dist.all_gather(tensors, merged[name], group=layout.ep_group)
+        tensors = collectives.all_gather(merged[name], group=layout.ep_group)
         gathered.update((named.hf_names[position], tensor) for named, tensor in zip(as_named_by, tensors))
     return gathered
 
@@ -112,8 +112,7 @@ def export_hf(
     if layout.holds_unique_stage_copy:
         file = write_shard(hf_tensors, out_dir, layout.pp_rank, layout.pp)
         stage_map = {name: (file, t.numel() * t.element_size()) for name, t in hf_tensors.items()}
-    stage_maps = [None] * dist.get_world_size()
-    dist.all_gather_object(stage_maps, stage_map)
+    stage_maps = collectives.all_gather_object(stage_map)
     if dist.get_rank() == 0:
         merged = {name: entry for m in stage_maps for name, entry in m.items()}
         write_index({n: f for n, (f, _) in merged.items()}, sum(b for _, b in merged.values()), out_dir)

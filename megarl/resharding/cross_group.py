@@ -24,7 +24,6 @@ import time
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 
 from megarl.distributed.layout import ParallelLayout
 from megarl.distributed.split_world import SplitWorld

@@ -27,6 +27,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from megarl.distributed import collectives
 from megarl.distributed.layout import ParallelLayout
 from megarl.models.architecture import Architecture
 from megarl.models.state_dict_adapter import param_mappings, shard_pieces, tp_split
@@ -141,9 +142,8 @@ def gather_replica(described, groups: list[dist.ProcessGroup]) -> list:
     (TP group, PP group), an expert replica (ETP group, EP group, PP group)."""
     gathered = [described]
     for group in groups:
-        parts = [None] * dist.get_world_size(group)
-        dist.all_gather_object(parts, gathered, group=group)
-        gathered = [rank_described for part in parts for rank_described in part]
+        gathered = [rank_described for part in collectives.all_gather_object(gathered, group)
+                    for rank_described in part]
     return gathered
 
 
@@ -182,7 +182,7 @@ class WeightSync:
                                self.hf_dtypes)
         most = torch.tensor([mine[name] for name in hf_names], dtype=torch.int64,
                             device=next(module.parameters()).device)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        collectives.all_reduce(most, op=dist.ReduceOp.MAX)
         self.buckets = layer_buckets(dict(zip(hf_names, most.tolist())), bucket_bytes)
         # This rank's transfers per bucket, in one order on every rank: p2p messages between a pair
         # of ranks arrive in the order they were posted.

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.algorithms.importance import rollout_mismatch_tokens
+from megarl.distributed import collectives
 from megarl.engine.batch import SequenceBatch
 from megarl.resharding.executor import SyncStats
 from megarl.trainer.rollouts import Rollouts
@@ -55,7 +56,7 @@ class ShareStats:
         maxima = torch.tensor(list(self.maxima.values()), dtype=torch.float64)
         minima = torch.tensor(list(self.minima.values()), dtype=torch.float64)
         for tensor, op in ((totals, dist.ReduceOp.SUM), (maxima, dist.ReduceOp.MAX), (minima, dist.ReduceOp.MIN)):
-            dist.all_reduce(tensor, op=op, group=group)
+            collectives.all_reduce(tensor, op=op, group=group)
         totals = totals.tolist()
         sums, pairs = totals[: len(self.sums)], totals[len(self.sums) :]
         return ShareStats(dict(zip(self.sums, sums)),

@@ -27,6 +27,7 @@ from megarl.agent.rendering import ChatRenderer
 from megarl.agent.trajectories import Trajectory, TurnLimits, run_turns
 from megarl.config.schema import RolloutConfig
 from megarl.data.dataset import Prompt
+from megarl.distributed import collectives
 from megarl.rewards.manager import RewardManager, RewardResult, ScoringItem
 from megarl.rollout.base import RolloutEngine, RolloutOutput, Sampling
 from megarl.trainer.rollouts import Rollouts, share_scores, unfilled_rollouts
@@ -91,8 +92,7 @@ class MultiTurnRollouts:
                 if len(openings[i][0]) > self.max_prompt_length:
                     raise ValueError(f"the environment's opening of prompt {prompt.index} has {len(openings[i][0])} "
                                      f"tokens, over data.max_prompt_length={self.max_prompt_length}")
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, {i: ids for i, (ids, _) in openings.items()})
+        everyone = collectives.all_gather_object({i: ids for i, (ids, _) in openings.items()})
         opening_ids = {i: ids for part in everyone for i, ids in part.items()}
         rollouts.prompts = [replace(p, prompt_ids=opening_ids[i]) for i, p in enumerate(rollouts.prompts)]
         trajectories = [Trajectory(i, opening_ids[i], messages=list(openings[i][1]) if is_leader else [])

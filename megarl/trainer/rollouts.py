@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from megarl.config.schema import RunConfig
 from megarl.data.dataset import Prompt
+from megarl.distributed import collectives
 from megarl.engine.batch import SequenceBatch, right_pad
 from megarl.rewards.manager import RewardFunctionError, RewardManager, RewardResult, ScoringItem
 from megarl.rollout.base import RolloutEngine, RolloutOutput, Sampling
@@ -178,8 +179,7 @@ def share_scores(rollouts: Rollouts, output: RolloutOutput, result: RewardResult
     each replica's scoring rank fills its rows of a zero table, and one all-reduce sums them."""
     stat_keys = sorted(trajectory_stats or {})
     summary = (sorted(result.extra), result.first_error) if result is not None else ([], None)
-    summaries = [None] * dist.get_world_size()
-    dist.all_gather_object(summaries, summary)
+    summaries = collectives.all_gather_object(summary)
     keys = sorted({key for names, _ in summaries for key in names})
     # score, length, truncated, extras, multi-turn counts
     table = torch.zeros(len(rollouts), 3 + len(keys) + len(stat_keys), dtype=torch.float64)
@@ -195,8 +195,8 @@ def share_scores(rollouts: Rollouts, output: RolloutOutput, result: RewardResult
         for column, key in enumerate(stat_keys, start=3 + len(keys)):
             table[rows, column] = torch.tensor(trajectory_stats[key], dtype=torch.float64)
         counts[:] = torch.tensor([result.num_errors, result.num_timeouts])
-    dist.all_reduce(table)
-    dist.all_reduce(counts)
+    collectives.all_reduce(table)
+    collectives.all_reduce(counts)
     rollouts.scores = table[:, 0].tolist()
     rollouts.response_lengths = table[:, 1].long().tolist()
     rollouts.finish_reasons = ["length" if truncated else "stop" for truncated in table[:, 2].tolist()]

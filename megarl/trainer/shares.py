@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
+from megarl.distributed import collectives
 from megarl.distributed.layout import ParallelLayout
 from megarl.engine.batching import mini_batch_groups, owned_groups
 from megarl.trainer.rollouts import Rollouts, move_responses
@@ -46,8 +46,7 @@ def take_share(rollouts: Rollouts, layout: ParallelLayout, engine_tp: int | None
                            "group: raise algorithm.max_filter_rounds or data.train_batch_size")
     sequences = [[i for i, group in enumerate(group_of) if group in owned] for owned in map(set, owners)]
     if engine_tp is not None:
-        dp_rank_of = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
-        dist.all_gather(dp_rank_of, torch.tensor([layout.dp_rank]))
+        dp_rank_of = collectives.all_gather(torch.tensor([layout.dp_rank]))
         move_responses(rollouts, [sequences[int(dp_rank)] for dp_rank in dp_rank_of], engine_tp)
     mine = sequences[layout.dp_rank]
     return rollouts.select(mine), Share(mine, torch.tensor([group_of[i] for i in mine]), len(groups))
@@ -57,5 +56,5 @@ def sum_over_shares(sums: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
     """`sums` over this DP rank's share, added over all DP ranks' shares: the batch's sums (the TP
     and PP ranks of a DP rank hold the same share, so the DP group counts each share once)."""
     total = sums.clone()
-    dist.all_reduce(total, group=layout.dp_group)
+    collectives.all_reduce(total, group=layout.dp_group)
     return total

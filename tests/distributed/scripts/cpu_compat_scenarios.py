@@ -164,9 +164,9 @@ def uneven_sequence_parallel():
     assert torch.equal(mine.grad, expected)
 
 
-def buffer_collectives():
+def faster_collectives():
     # Not a bridge: the distributed optimizer's in-place buffer collectives, as megatron calls them (in a
-    # coalescing manager), give what gloo's own reduce-scatter and all-gather give: through shared
+    # coalescing manager), and megarl's small collectives give what gloo's own give: through shared
     # memory where the ranks share a host (they do here), over gloo where they seem not to.
     import socket
     from unittest import mock
@@ -175,11 +175,12 @@ def buffer_collectives():
 
     init_layout()
     assert shared_memory_group(dist.group.WORLD) is not None
-    _buffer_collectives_equal_gloo(dist.group.WORLD)
     apart = dist.new_group([0, 1])
     with mock.patch.object(socket, "gethostname", return_value=f"host{dist.get_rank()}"):
         assert shared_memory_group(apart) is None
-    _buffer_collectives_equal_gloo(apart)
+    for group in (dist.group.WORLD, apart):
+        _buffer_collectives_equal_gloo(group)
+        _small_collectives_equal_gloo(group)
 
 
 def _buffer_collectives_equal_gloo(group):
@@ -200,6 +201,34 @@ def _buffer_collectives_equal_gloo(group):
         with _coalescing_manager(group):
             buffers.dist_all_gather_func(params, params[rank * half: (rank + 1) * half], group=group)
         assert torch.equal(params, expected)
+
+
+def _small_collectives_equal_gloo(group):
+    from megarl.distributed import collectives
+
+    rank = dist.get_rank()
+    generator = torch.Generator().manual_seed(rank)
+    payload = torch.tensor([float("nan")]).view(torch.int32) | (rank + 1)  # a NaN whose payload names the rank
+    cases = [(torch.randn(5, 3, generator=generator), dist.ReduceOp.SUM),  # the shared-memory kernel's sum
+             (torch.randn(3, 5, generator=generator).t(), dist.ReduceOp.SUM),  # not contiguous
+             (torch.randn(7, generator=generator, dtype=torch.float64), dist.ReduceOp.SUM),
+             (torch.randint(-9, 9, (6,), generator=generator), dist.ReduceOp.MAX),
+             (torch.randn(2, generator=generator, dtype=torch.float64), dist.ReduceOp.MIN),
+             (torch.cat([payload.view(torch.float32), torch.randn(2, generator=generator)]), dist.ReduceOp.MAX)]
+    for tensor, op in cases:
+        expected = tensor.clone()
+        dist.all_reduce(expected, op=op, group=group)
+        collectives.all_reduce(tensor, op=op, group=group)
+        assert torch.equal(tensor.nan_to_num(), expected.nan_to_num()), (tensor, expected)
+        expected = [torch.empty_like(tensor) for _ in range(2)]
+        dist.all_gather(expected, tensor, group=group)
+        gathered = collectives.all_gather(tensor, group=group)
+        as_bytes = [[t.contiguous().view(torch.uint8).tolist() for t in parts] for parts in (gathered, expected)]
+        assert as_bytes[0] == as_bytes[1]
+    mine = {"rank": rank, "text": "x" * (100 * rank + 3)}  # sizes differ by rank
+    expected = [None, None]
+    dist.all_gather_object(expected, mine, group=group)
+    assert collectives.all_gather_object(mine, group=group) == expected
 
 
 SCENARIOS = {f.__name__: f for f in (rng_tracker, current_device, cuda_factories, synchronize, tensor_cuda,
@@ -223,9 +252,9 @@ for name, scenario in SCENARIOS.items():
         traceback.print_exc(file=sys.stderr)
         failed = True
 if not args.skip:
-    buffer_collectives()
+    faster_collectives()
     if os.environ["RANK"] == "0":
-        print("PASS buffer_collectives", flush=True)
+        print("PASS faster_collectives", flush=True)
 if dist.is_initialized() and not failed:
     dist.destroy_process_group()
 # A failed rank may leave its peer blocked in a collective: exit hard.

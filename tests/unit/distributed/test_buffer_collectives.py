@@ -1,6 +1,6 @@
 """Over a one-rank group, the distributed optimizer's in-place buffer collectives are skipped, and
 skipping them changes nothing that gloo's own collective would have changed (over two ranks:
-tests/distributed/scripts/cpu_compat_scenarios.py, `buffer_collectives`)."""
+tests/distributed/scripts/cpu_compat_scenarios.py, `faster_collectives`)."""
 
 from __future__ import annotations
 
