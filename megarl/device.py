@@ -4,7 +4,8 @@ The one place that decides (DESIGN.md, "Packages and what each owns"); everythin
 and never calls `torch.cuda.is_available()` itself. The policy:
 
 - **Device and backend.** With a CUDA device visible to torch, each rank computes on
-  `cuda:LOCAL_RANK` and collectives use NCCL. Otherwise ranks compute on the CPU, collectives use
+  `cuda:LOCAL_RANK` and collectives use NCCL for CUDA tensors and gloo for CPU tensors (the step's
+  bookkeeping: scores, token counts, metrics). Otherwise ranks compute on the CPU, collectives use
   gloo, and megatron-core needs the CPU compatibility layer (`megarl.distributed.cpu_compat`).
 - **GPU-only features** are on only with CUDA *and* their package importable:
   Transformer Engine layers (with packed THD micro-batches) when `transformer_engine.pytorch`
@@ -38,8 +39,9 @@ def cuda() -> bool:
 
 
 def backend() -> str:
-    """The torch.distributed backend: "nccl" on CUDA, "gloo" on CPU."""
-    return "nccl" if cuda() else "gloo"
+    """The torch.distributed backend: NCCL for CUDA tensors beside gloo for CPU tensors on CUDA (a
+    plain "nccl" group takes no CPU tensor), gloo on CPU."""
+    return "cuda:nccl,cpu:gloo" if cuda() else "gloo"
 
 
 def select_local_device() -> None:

@@ -85,6 +85,6 @@ def join_split_world(num_rollout_ranks: int) -> SplitWorld:
 
 
 def _backend(store: dist.Store, rank: int, size: int) -> dist.ProcessGroup:
-    if device.backend() == "nccl":
+    if device.cuda():
         return dist.ProcessGroupNCCL(store, rank, size)
     return dist.ProcessGroupGloo(store, rank, size, collective_timeout())

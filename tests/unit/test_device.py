@@ -58,7 +58,7 @@ def test_answers_with_cuda(monkeypatch):
     monkeypatch.setattr(device, "cuda", lambda: True)
     monkeypatch.setattr(device, "triton_importable", lambda: True)
     monkeypatch.setattr(device, "nvidia_apex_importable", lambda: False)
-    assert device.backend() == "nccl"
+    assert device.backend() == "cuda:nccl,cpu:gloo"
     assert device.triton() and device.sleep_mode() and not device.apex()
 
 
