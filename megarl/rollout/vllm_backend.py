@@ -167,7 +167,8 @@ class VLLMRollout:
             raise
 
     def end_weight_update(self) -> None:
-        self.llm.collective_rpc(_refresh_lm_head)
+        if self.direct_loader is None:  # the direct load processes a tied LM head itself
+            self.llm.collective_rpc(_refresh_lm_head)
         if self.routed_experts_shape is not None:
             self.llm.collective_rpc(_repack_cpu_experts)
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights

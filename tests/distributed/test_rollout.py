@@ -88,6 +88,10 @@ def test_rollout_after_resharding(tiny_models, tiny_moe_models, tmp_path, case):
     assert report["direct_load"] == direct, report
     assert report["buckets"] > 1 and report["loads_per_sync"] == {"reload": int(not direct), "direct": int(direct)}
     assert report["layers_processed_once"] and report["failed_load_warnings"] == [], report
+    # A direct load keeps the tiny models' weights (all under 2^18 elements) plain on CPU, tied LM heads
+    # included; vLLM's reload packs each layer for oneDNN.
+    plain, layers = report["plain_gemm_layers"]
+    assert layers > 4 * 4 and plain == (layers if direct else 0), report
     expected_bytes = rank0_lower_bound(model_dir, tp, pp, ep, etp, engine_tp)
     assert report["bytes_received"] == report["lower_bound"] == expected_bytes
     assert 0 < report["peak_reported"] == report["peak_allocated"], report

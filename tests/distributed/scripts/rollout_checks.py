@@ -260,6 +260,15 @@ with ReloadCounter(vllm.llm.collective_rpc(lambda worker: worker.model_runner.mo
 report["buckets"], report["direct_load"] = len(vllm_sync.buckets), vllm.direct_loader is not None
 report["loads_per_sync"] = {"reload": counter.reloads, "direct": counter.direct_loads}
 report["layers_processed_once"] = counter.each_owner_processed_once()
+
+
+def gemm_layers(worker):
+    """(layers multiplying their weight with torch's linear, layers with a GEMM of their own)."""
+    layers = [m for m in worker.model_runner.model.modules() if getattr(m, "quant_method", None) is not None]
+    return sum(getattr(m, "cpu_linear", None) is torch.nn.functional.linear for m in layers), len(layers)
+
+
+report["plain_gemm_layers"] = vllm.llm.collective_rpc(gemm_layers)[0]
 report["failed_load_warnings"] = counter.warnings
 sampled = vllm.generate(PROMPTS, Sampling(temperature=0.8, max_tokens=10, seed=3))
 batch = make_batch(sampled.response_ids)
