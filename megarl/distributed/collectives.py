@@ -56,6 +56,32 @@ def all_gather(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
     return parts
 
 
+def all_to_all(output: torch.Tensor, tensor: torch.Tensor, output_splits: list[int], input_splits: list[int],
+               group=None) -> None:
+    """`dist.all_to_all_single` of 1-D tensors: `tensor` in parts of `input_splits`, one per rank in
+    rank order, each to its rank; `output` gets every rank's part for this one, in parts of
+    `output_splits`. Through shared memory, every rank gathers every rank's `tensor` (padded to the
+    longest) and keeps its parts: the group's whole payload crosses each rank, which is what small
+    payloads on one host afford."""
+    if dist.get_world_size(group) == 1:
+        output.copy_(tensor)
+        return
+    host = _host_group(tensor, group)
+    if host is None:
+        dist.all_to_all_single(output, tensor, output_splits, input_splits, group=group)
+        return
+    splits = host.gather_rows(torch.tensor(input_splits))
+    me = dist.get_rank(group)
+    if splits[:, me].tolist() != list(output_splits):
+        raise ValueError(f"all_to_all: rank {me} expects parts of {list(output_splits)}, the ranks send "
+                         f"{splits[:, me].tolist()}")
+    padded = tensor.new_zeros(int(splits.sum(1).max()))
+    padded[: tensor.numel()] = tensor
+    rows = host.gather_rows(padded)
+    starts = (splits.cumsum(1) - splits)[:, me].tolist()
+    output.copy_(torch.cat([row[start : start + size] for row, start, size in zip(rows, starts, output_splits)]))
+
+
 def all_gather_object(obj: object, group=None) -> list:
     """Every rank's `obj` (picklable), in rank order."""
     if dist.get_world_size(group) == 1:

@@ -10,8 +10,10 @@ engine, fed by a generator that walks the model in buckets of whole layers (the 
 layer once all its tensors arrived, so a layer never spans two buckets). Per bucket, this rank's
 transfers of the bucket run as one `batch_isend_irecv` into tensors of exactly its engine shard
 (`TensorShard` where the shard is part of an HF tensor); slices it holds itself are copied locally;
-the bucket goes to the engine and is freed before the next one. Buckets are sized by the most any
-rank allocates for their tensors (its engine shards plus staging copies of column slices), so what
+a tensor whose whole engine shard it holds in one piece goes to the engine as a view of its training
+shard (lent: the engine copies what it loads); the bucket goes to the engine and is freed before the
+next one. Buckets are sized by the most any rank allocates for their tensors (its engine shards, but
+the lent ones, plus staging copies of column slices), so what
 a rank allocates per bucket stays within the bucket size at any engine TP size, unless one layer
 alone is larger; the reported peak counts those allocations.
 """
@@ -114,8 +116,8 @@ def layer_buckets(tensor_bytes: dict[str, int], bucket_bytes: int) -> list[list[
 
 def allocated_bytes(plan: Plan, rank: int, shard_shapes: dict[str, tuple[int, ...]],
                     dtypes: dict[str, torch.dtype]) -> dict[str, int]:
-    """Bytes `rank` allocates per HF tensor in a sync: its engine shard, and a staging copy of each
-    slice it sends or receives that is not contiguous where it sits (a column slice)."""
+    """Bytes `rank` allocates per HF tensor in a sync: its engine shard (unless lent), and a staging
+    copy of each slice it sends or receives that is not contiguous where it sits (a column slice)."""
     def narrow_is_contiguous(shape, dim: int, length: int) -> bool:
         return math.prod(shape[:dim]) == 1 or length == shape[dim]
 
@@ -124,10 +126,12 @@ def allocated_bytes(plan: Plan, rank: int, shard_shapes: dict[str, tuple[int, ..
 
     allocated = defaultdict(int)
     shapes = {}
+    lent = plan.lent(rank)
     for need in plan.needs:
         shapes[need.hf_name] = list(plan.hf_shapes[need.hf_name])
         shapes[need.hf_name][need.dim] = need.stop - need.start
-        allocated[need.hf_name] += math.prod(shapes[need.hf_name]) * dtypes[need.hf_name].itemsize
+        if need.hf_name not in lent:
+            allocated[need.hf_name] += math.prod(shapes[need.hf_name]) * dtypes[need.hf_name].itemsize
     for t in plan.transfers:
         if t.src == t.dst:
             continue
@@ -175,6 +179,9 @@ class WeightSync:
 
         self.plan: Plan = plan_for_rank(self.rank, dense_sources, needs_of, self.hf_shapes, itemsize, expert_sources)
         self.needs = {need.hf_name: need for need in self.plan.needs}
+        self.lent = self.plan.lent(self.rank)
+        self.lower_bound = self.plan.lower_bound(self.rank)
+        self.params = dict(module.named_parameters())
         # Buckets by the most any rank allocates for each tensor, so that they are the same on every
         # rank and none allocates more than one bucket.
         hf_names = sorted(self.hf_shapes)
@@ -191,8 +198,8 @@ class WeightSync:
         for t in sorted(self.plan.transfers, key=lambda t: (t.hf_name, t.src, t.dst, t.start)):
             self.bucket_transfers[bucket_of[t.hf_name]].append(t)
 
-    def _shard_slice(self, params: dict, transfer: Transfer) -> torch.Tensor:
-        shard = params[transfer.megatron_name].detach()
+    def _shard_slice(self, transfer: Transfer) -> torch.Tensor:
+        shard = self.params[transfer.megatron_name].detach()
         return shard.narrow(transfer.dim, transfer.shard_offset, transfer.stop - transfer.start)
 
     @torch.no_grad()
@@ -219,15 +226,14 @@ class WeightSync:
         end_seconds = time.perf_counter() - load_start
         load_seconds = load_start - start_time - progress.transfer_seconds + end_seconds
         return SyncStats(time.perf_counter() - start_time, load_seconds, progress.received, progress.sent,
-                         self.plan.lower_bound(self.rank), progress.peak)
+                         self.lower_bound, progress.peak)
 
     def _buckets_in(self, progress: _SyncProgress) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's engine shards, bucket by bucket; a bucket is freed before the next one arrives."""
-        params = dict(self.module.named_parameters())
         for names, transfers in zip(self.buckets, self.bucket_transfers):
             transfer_start = time.perf_counter()
             progress.bucket = names
-            tensors = self._receive_bucket(params, transfers, progress)
+            tensors = self._receive_bucket(transfers, progress)
             progress.transfer_seconds += time.perf_counter() - transfer_start
             yield from ((name, self._as_hf_tensor(name, shard)) for name, shard in tensors.items())
             del tensors  # before the next bucket arrives, not after
@@ -239,10 +245,9 @@ class WeightSync:
             return shard
         return TensorShard(shard, self.hf_shapes[name], need.dim, need.start)
 
-    def _receive_bucket(self, params: dict, transfers: list[Transfer], progress: _SyncProgress
-                        ) -> dict[str, torch.Tensor]:
+    def _receive_bucket(self, transfers: list[Transfer], progress: _SyncProgress) -> dict[str, torch.Tensor]:
         """This rank's engine shards of one bucket, filled by its transfers; counts what it allocates."""
-        device = next(iter(params.values())).device
+        device = next(iter(self.params.values())).device
         allocated = 0
 
         def allocate(shape, dtype) -> torch.Tensor:
@@ -252,7 +257,9 @@ class WeightSync:
 
         tensors = {}
         for t in transfers:
-            if t.dst == self.rank and t.hf_name not in tensors:
+            if t.hf_name in self.lent and t.dst == self.rank:
+                tensors[t.hf_name] = self._shard_slice(t)
+            elif t.dst == self.rank and t.hf_name not in tensors:
                 need = self.needs[t.hf_name]
                 shape = list(self.hf_shapes[t.hf_name])
                 shape[need.dim] = need.stop - need.start
@@ -262,12 +269,14 @@ class WeightSync:
         # slices need a staging copy.
         ops, unpack = [], []
         for t in transfers:
+            if t.hf_name in self.lent and t.dst == self.rank:
+                continue
             if t.dst == self.rank:
                 target = tensors[t.hf_name].narrow(t.dim, t.start - self.needs[t.hf_name].start, t.stop - t.start)
             if t.src == t.dst:
-                target.copy_(self._shard_slice(params, t))
+                target.copy_(self._shard_slice(t))
             elif t.src == self.rank:
-                piece = self._shard_slice(params, t)
+                piece = self._shard_slice(t)
                 if not piece.is_contiguous():
                     piece = allocate(piece.shape, piece.dtype).copy_(piece)
                 ops.append(dist.P2POp(dist.isend, piece, t.dst))

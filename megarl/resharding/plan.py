@@ -94,6 +94,16 @@ class Plan:
     def lower_bound(self, rank: int) -> int:
         return self.bytes_needed(rank) - self.bytes_held(rank)
 
+    def lent(self, rank: int) -> set[str]:
+        """The HF tensors of which `rank` holds its whole need in one piece of one shard: handed to the
+        engine as a view of that shard, neither allocated nor copied (the engine copies what it loads)."""
+        into = defaultdict(list)
+        for t in self.transfers:
+            if t.dst == rank:
+                into[t.hf_name].append(t)
+        return {need.hf_name for need in self.needs
+                if need.rank == rank and len(into[need.hf_name]) == 1 and into[need.hf_name][0].src == rank}
+
 
 def plan_for_rank(rank: int, replica: list[SourcePiece], needs_of: Callable[[int], list[Need]],
                   hf_shapes: dict[str, tuple[int, ...]], itemsize: int,

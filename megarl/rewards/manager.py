@@ -5,12 +5,15 @@ once per item. A call that raises, returns something that is not a finite number
 finite "score"), or runs past `timeout_seconds` scores 0.0 and is counted; one failing call never
 stops the run (the trainer stops when every call of a step fails).
 
-The timeout: calls run one after another in a long-lived daemon thread, each awaited with a
-deadline (handing a call to a waiting thread costs microseconds; starting a thread per call cost
-more than the rule scorers themselves). Python cannot kill a thread, so a timed-out scorer keeps
-running in the background until it returns; its thread is abandoned with its result and a fresh
-one takes the next call. Being daemons, threads never keep the process alive at exit. One thread
-is enough: scorers are pure Python and hold the GIL, so more would not make them faster.
+The timeout: a batch's calls are handed at once to a long-lived daemon thread, which runs them one
+after another; each outcome is awaited with a deadline, which starts no earlier than its call (the
+previous outcome is in by then). Handing over the batch at once matters: a hand-over per call costs
+two thread switches, 1.6 ms for the quick start's 32 items against 0.02 ms of scoring; starting a
+thread per call costs more still. Python cannot kill a thread, so a timed-out scorer keeps running
+in the background until it returns; its thread is abandoned with its result, runs none of the calls
+queued behind it, and a fresh one takes them. Being daemons, threads never keep the process alive at
+exit. One thread is enough: scorers are pure Python and hold the GIL, so more would not make them
+faster.
 """
 
 from __future__ import annotations
@@ -58,28 +61,34 @@ class _Timeout(Exception):
 
 
 class _ScorerThread:
-    """A daemon thread that runs the calls it is handed, one at a time, and hands back each outcome."""
+    """A daemon thread that runs the calls it is handed, in order, and hands back each outcome."""
 
     def __init__(self):
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._outcomes: queue.SimpleQueue = queue.SimpleQueue()
+        self._abandoned = False
         threading.Thread(target=self._serve, name="megarl-reward-scorer", daemon=True).start()
 
     def _serve(self) -> None:
         while True:
             function, args = self._calls.get()
+            if self._abandoned:
+                return
             try:
                 self._outcomes.put((True, function(*args)))
             except BaseException as exc:  # reported to the caller, who counts it
                 self._outcomes.put((False, exc))
 
-    def call(self, function: Callable, args: tuple, timeout_seconds: float) -> Any:
-        """The call's value; its exception re-raised; `_Timeout` past the deadline (the thread is then
-        still busy with it and must not be handed another call)."""
+    def submit(self, function: Callable, args: tuple) -> None:
         self._calls.put((function, args))
+
+    def outcome(self, timeout_seconds: float) -> Any:
+        """The next call's value; its exception re-raised; `_Timeout` past the deadline (the thread is
+        then abandoned: it is still busy with that call and runs none of the calls behind it)."""
         try:
             succeeded, value = self._outcomes.get(timeout=timeout_seconds)
         except queue.Empty:
+            self._abandoned = True
             raise _Timeout from None
         if not succeeded:
             raise value
@@ -116,13 +125,17 @@ class RewardManager:
     def score(self, items: list[ScoringItem]) -> RewardResult:
         result = RewardResult(scores=[])
         extras_per_item: list[dict[str, float]] = []
+        calls = [(item.data_source, item.solution_str, item.ground_truth, item.extra_info) for item in items]
+        for args in calls:
+            self._scorer.submit(self.compute_score, args)
         for index, item in enumerate(items):
-            args = (item.data_source, item.solution_str, item.ground_truth, item.extra_info)
             score, extras, failure = 0.0, {}, None
             try:
-                score, extras = _split_result(self._scorer.call(self.compute_score, args, self.timeout_seconds))
+                score, extras = _split_result(self._scorer.outcome(self.timeout_seconds))
             except _Timeout:
                 self._scorer = _ScorerThread()  # the old one is stuck in the timed-out call
+                for args in calls[index + 1:]:
+                    self._scorer.submit(self.compute_score, args)
                 result.num_timeouts += 1
                 failure = f"timed out after {self.timeout_seconds} s"
             except Exception as exc:

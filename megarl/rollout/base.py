@@ -74,7 +74,8 @@ class RolloutEngine(Protocol):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the HF-named tensors of one weight update, all in this one call. `weights` may be a
         generator that receives them as they are consumed (running collectives): consume it whole
-        and in order, so that every rank enters its collectives in the same order."""
+        and in order, so that every rank enters its collectives in the same order. A tensor may be a
+        view of the trainer's own parameter: copy it, keep no reference."""
 
     def begin_weight_update(self, step: int) -> None:
         """Mark the engine as loading: generation is refused until `end_weight_update`."""

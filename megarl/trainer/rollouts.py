@@ -240,7 +240,7 @@ def move_responses(rollouts: Rollouts, wanted: list[list[int]], engine_tp: int) 
     incoming = [[i for i in wanted[rank] if sender(i, rank) == source] for source in range(world)]
     recv_splits = [sum(size(i) for i in rows) for rows in incoming]
     received = torch.empty(sum(recv_splits), dtype=torch.float64)
-    dist.all_to_all_single(received, torch.cat(sent) if sent else torch.zeros(0, dtype=torch.float64),
+    collectives.all_to_all(received, torch.cat(sent) if sent else torch.zeros(0, dtype=torch.float64),
                            recv_splits, send_splits)
     offset = 0
     for rows in incoming:

@@ -225,6 +225,14 @@ def _small_collectives_equal_gloo(group):
         gathered = collectives.all_gather(tensor, group=group)
         as_bytes = [[t.contiguous().view(torch.uint8).tolist() for t in parts] for parts in (gathered, expected)]
         assert as_bytes[0] == as_bytes[1]
+    # An all-to-all whose parts differ in size by sender and receiver, one of them empty.
+    sizes = [[0, 3], [5, 2]]  # sizes[sender][receiver]
+    sent = torch.randn(sum(sizes[rank]), generator=generator, dtype=torch.float64)
+    expected = torch.empty(sizes[0][rank] + sizes[1][rank], dtype=torch.float64)
+    dist.all_to_all_single(expected, sent, [sizes[0][rank], sizes[1][rank]], sizes[rank], group=group)
+    received = torch.empty_like(expected)
+    collectives.all_to_all(received, sent, [sizes[0][rank], sizes[1][rank]], sizes[rank], group=group)
+    assert torch.equal(received, expected)
     mine = {"rank": rank, "text": "x" * (100 * rank + 3)}  # sizes differ by rank
     expected = [None, None]
     dist.all_gather_object(expected, mine, group=group)

@@ -159,15 +159,18 @@ train_step([[7, 8, 9, 10]] * 4)
 vllm = VLLMRollout(args.hf, "float32", args.engine_tp, max_model_len=128, kv_cache_bytes=32 << 20,
                    gpu_memory_utilization=0.3, seed=0)
 reference = HFRollout(args.hf, "float32")
-vllm_sync = WeightSync(actor.module, actor.arch, layout, vllm, args.engine_tp, bucket_bytes=1 << 20)
-hf_sync = WeightSync(actor.module, actor.arch, layout, reference, 1, bucket_bytes=1 << 20)
+# Buckets of 128 KiB: several even where a rank allocates no more than its q, k and v (128 KiB a layer):
+# at TP1 it lends the engine every tensor it holds whole in one piece.
+BUCKET_BYTES = 1 << 17
+vllm_sync = WeightSync(actor.module, actor.arch, layout, vllm, args.engine_tp, bucket_bytes=BUCKET_BYTES)
+hf_sync = WeightSync(actor.module, actor.arch, layout, reference, 1, bucket_bytes=BUCKET_BYTES)
 allocations = count_bucket_allocations(vllm_sync)
 stats = vllm_sync.sync(step=1)
 report["peak_reported"], report["peak_allocated"] = stats.peak_extra_bytes, max(allocations)
 # A bucket may exceed its size only when it is one unit (a layer, or a global tensor) that alone does.
 report["units_of_buckets_over_size"] = [
     len({name.split(".")[2] if name.startswith("model.layers.") else name for name in names})
-    for names, allocated in zip(vllm_sync.buckets, allocations) if allocated > 1 << 20]
+    for names, allocated in zip(vllm_sync.buckets, allocations) if allocated > BUCKET_BYTES]
 hf_sync.sync(step=1)
 export_hf(actor.module, actor.arch, layout, args.out, args.hf)
 

@@ -141,17 +141,19 @@ def test_receivers_spread_evenly_over_the_holders_of_a_replicated_tensor():
         assert senders == holders, name
 
 
-def test_rank0_allocates_its_engine_shard_and_staging_for_column_slices_by_hand():
+def test_rank0_allocates_its_engine_shard_but_what_it_lends_and_staging_for_column_slices_by_hand():
     # Engine rank 0 (TP_r=2) needs columns [0, 8) of each o_proj and [0, 4) of each down_proj
     # (16 rows). Each part from another rank lands in a column slice of that shard, which is not
     # contiguous: layer 0, o_proj [4, 8) from rank 1 and down_proj [2, 4); layer 1, all four parts.
-    # What it sends (whole shards of its own) needs no staging.
+    # What it sends (whole shards of its own) needs no staging. The norms of layer 0 (16 values each),
+    # which it holds whole, are lent to the engine as views of its shards: not allocated.
     sources, shapes = _sources()
     plan = plan_for_rank(0, sources, lambda r: engine_needs(r, r % 2, 2, shapes, ARCH), shapes, itemsize=4)
     own = {mapping.megatron_name: shape for mapping, shape in _stage_mappings(0)}
     staging = (16 * 4 + 16 * 2 + 2 * 16 * 4 + 2 * 16 * 2) * 4
+    assert plan.lent(0) == {f"model.layers.0.{norm}.weight" for norm in ("input_layernorm", "post_attention_layernorm")}
     allocated = allocated_bytes(plan, 0, own, {name: torch.float32 for name in shapes})
-    assert sum(allocated.values()) == plan.bytes_needed(0) + staging
+    assert sum(allocated.values()) == plan.bytes_needed(0) - 2 * 16 * 4 + staging
 
 
 def test_buckets_keep_layers_whole():

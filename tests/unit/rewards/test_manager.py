@@ -62,7 +62,9 @@ def test_slow_scorer_times_out_and_the_run_goes_on():
     assert "item 1" in result.first_error and "timed out" in result.first_error
     assert served_by["fast"] is stuck and served_by["after"] is not stuck  # the hung thread was replaced
     assert manager.score(items("again")).scores == [1.0] and served_by["again"] is served_by["after"]
-    release.set()  # let the abandoned call finish
+    release.set()  # let the abandoned call finish: its thread then ends, running none of the calls behind it
+    stuck.join(10.0)
+    assert not stuck.is_alive() and served_by["after"] is not stuck
 
 
 def test_dict_returns_give_aligned_extras():
