@@ -148,8 +148,11 @@ def _write(module: torch.nn.Module, parts: dict[tuple[str, int], torch.Tensor]) 
                              f"for a place of shape {tuple(place.shape)}")
         copies.append((place, tensor))
     for place, tensor in copies:
-        place[: tensor.shape[0]].copy_(tensor)
-        place[tensor.shape[0]:].zero_()  # vocabulary padding, zero as vLLM's loader leaves it
+        if tensor.shape[0] == place.shape[0]:
+            place.copy_(tensor)
+        else:  # a padded vocabulary: its padding zero, as vLLM's loader leaves it
+            place[: tensor.shape[0]].copy_(tensor)
+            place[tensor.shape[0]:].zero_()
     for param, target in targets.items():
         if target is not getattr(module, param):
             setattr(module, param, torch.nn.Parameter(target, requires_grad=False))

@@ -159,9 +159,9 @@ train_step([[7, 8, 9, 10]] * 4)
 vllm = VLLMRollout(args.hf, "float32", args.engine_tp, max_model_len=128, kv_cache_bytes=32 << 20,
                    gpu_memory_utilization=0.3, seed=0)
 reference = HFRollout(args.hf, "float32")
-# Buckets of 128 KiB: several even where a rank allocates no more than its q, k and v (128 KiB a layer):
+# Buckets of 256 KiB: several even where a rank allocates no more than its q, k and v (128 KiB a layer):
 # at TP1 it lends the engine every tensor it holds whole in one piece.
-BUCKET_BYTES = 1 << 17
+BUCKET_BYTES = 1 << 18
 vllm_sync = WeightSync(actor.module, actor.arch, layout, vllm, args.engine_tp, bucket_bytes=BUCKET_BYTES)
 hf_sync = WeightSync(actor.module, actor.arch, layout, reference, 1, bucket_bytes=BUCKET_BYTES)
 allocations = count_bucket_allocations(vllm_sync)
