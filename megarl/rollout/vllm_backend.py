@@ -3,7 +3,8 @@
 vLLM joins the existing process group (`external_launcher`) and builds its own groups on top, so
 it must be created after ours; joining ours also set vLLM's environment (`megarl.distributed.process`).
 Creating it has process-wide side effects that we undo: it reseeds the python/numpy/torch RNGs,
-replaces `torch.set_num_threads` with a no-op and freezes the GC.
+replaces `torch.set_num_threads` with a no-op and freezes the GC (the trainer freezes the whole start-up
+once it is done: `megarl.trainer.startup.freeze_start_up_objects`).
 Logprobs are the *processed* ones (after temperature), the distribution tokens were sampled from.
 Responses come back as token ids only (no detokenization: the trainer decodes once, for rewards).
 On GPU the engine sleeps while the trainer runs (KV cache and weights freed); the trainer wakes

@@ -57,7 +57,7 @@ from megarl.trainer.rollouts import Rollouts, collect_rollouts, rollout_sampling
 from megarl.trainer.scores import first_groups, informative, reward_model_scores, sequence_rewards
 from megarl.trainer.shares import sum_over_shares, take_share
 from megarl.trainer.split import SplitPolicy
-from megarl.trainer.startup import Run
+from megarl.trainer.startup import Run, freeze_start_up_objects
 from megarl.trainer.teacher import distillation_stats, teacher_engine_config
 from megarl.trainer.timing import PhaseTimer
 from megarl.trainer.validation import validation_metrics
@@ -169,6 +169,7 @@ class RLTrainer:
         last = {}
         if self.val_data is not None and trainer.val_before_train and self.start_step == 1:
             self.tracker.log(self.validate(step=0), step=0)
+        freeze_start_up_objects()
         for step in self.tracker.progress(range(self.start_step, trainer.total_steps + 1)):
             self.checkpointer.poll()
             last = self.step(step)

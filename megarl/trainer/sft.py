@@ -28,7 +28,7 @@ from megarl.engine.batching import balance_over_data_parallel
 from megarl.engine.megatron_engine import MegatronEngine
 from megarl.models.hf_interop import export_hf
 from megarl.tracking import Tracker
-from megarl.trainer.startup import Run
+from megarl.trainer.startup import Run, freeze_start_up_objects
 
 
 def reference_response(prompt: Prompt, tokenizer, renderer: ChatRenderer | None,
@@ -94,6 +94,7 @@ class SFTTrainer:
                          self.tokenizer.pad_token_id or 0)
 
     def fit(self) -> None:
+        freeze_start_up_objects()
         for step in self.tracker.progress(range(1, self.config.trainer.total_steps + 1)):
             metrics, _ = self.engine.train_mini_batch(self.batch(self.sampler.next_batch()), negative_log_likelihood)
             moe = {f"actor/{key}": value for key, value in metrics.items() if key.startswith("moe/")}

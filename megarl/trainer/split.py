@@ -48,6 +48,7 @@ from megarl.rollout import ROLLOUT_BACKENDS
 from megarl.trainer.inputs import RunInputs, validation_prompts
 from megarl.trainer.metrics import sync_metrics
 from megarl.trainer.rollouts import Rollouts, collect_rollouts, move_responses, rollout_sampling
+from megarl.trainer.startup import freeze_start_up_objects
 from megarl.trainer.timing import PhaseTimer
 from megarl.trainer.validation import validation_metrics
 
@@ -139,6 +140,7 @@ class RolloutWorker:
         next_batch = start + len(self.queue)
         if self.val_data is not None and trainer.val_before_train and start == 1:
             self._validate(0)
+        freeze_start_up_objects()
         for step in range(start, trainer.total_steps + 1):
             self._sync_to(step - 1)
             if next_batch <= step:
