@@ -154,7 +154,7 @@ def gather_replica(described, groups: list[dist.ProcessGroup]) -> list:
 class WeightSync:
     def __init__(self, module: torch.nn.Module, arch: Architecture, layout: ParallelLayout,
                  engine: RolloutEngine, engine_tp: int, bucket_bytes: int):
-        self.module, self.engine = module, engine
+        self.engine = engine
         self.rank = layout.rank
         itemsize = next(module.parameters()).element_size()
         own_shards = {name: (tuple(p.shape), p.dtype) for name, p in module.named_parameters()}

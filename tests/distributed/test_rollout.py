@@ -6,9 +6,10 @@ rank, and checks: the synced weights are bit-identical to the HF export of the t
 greedy generations of vLLM and `hf` agree token for token, after a second optimizer step and sync
 vLLM's sampled-token log-probs equal the trainer's (<= 1e-4), bytes received equal the analytic
 lower bound, the reported peak is what a bucket allocates and within the bucket size (unless one
-layer alone exceeds it), tensors a rank holds whole are lent to the engine uncopied, a sync is one load processing each layer once with no layer left unloaded:
-written directly into vLLM's parameters at engine TP1 for dense models, else one vLLM reload, and
-failed generations or syncs never leave a half-loaded engine serving.
+layer alone exceeds it), tensors a rank holds whole are lent to the engine uncopied, a sync is one
+load processing each layer once with no layer left unloaded: written directly into vLLM's
+parameters at engine TP1 for dense models (small weights kept for torch's `linear` on CPU), else one
+vLLM reload, and failed generations or syncs never leave a half-loaded engine serving.
 """
 
 from __future__ import annotations
