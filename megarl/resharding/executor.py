@@ -157,7 +157,8 @@ class WeightSync:
         self.engine = engine
         self.rank = layout.rank
         itemsize = next(module.parameters()).element_size()
-        own_shards = {name: (tuple(p.shape), p.dtype) for name, p in module.named_parameters()}
+        self.params = dict(module.named_parameters())
+        own_shards = {name: (tuple(p.shape), p.dtype) for name, p in self.params.items()}
         experts, others = local_sources(module, arch, layout)
         replica = gather_replica((self.rank, others, own_shards), [layout.tp_group, layout.pp_group])
         expert_replica = gather_replica((self.rank, experts, own_shards), [layout.etp_group, layout.ep_group,
@@ -181,7 +182,6 @@ class WeightSync:
         self.needs = {need.hf_name: need for need in self.plan.needs}
         self.lent = self.plan.lent(self.rank)
         self.lower_bound = self.plan.lower_bound(self.rank)
-        self.params = dict(module.named_parameters())
         # Buckets by the most any rank allocates for each tensor, so that they are the same on every
         # rank and none allocates more than one bucket.
         hf_names = sorted(self.hf_shapes)
