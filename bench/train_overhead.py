@@ -98,7 +98,7 @@ def worker(model_dir: str, tp: int) -> None:
     import torch.distributed as dist
 
     from megarl.config.schema import ActorConfig, ModelConfig, OptimizerConfig
-    from megarl.distributed import init_layout, leave_process_group
+    from megarl.distributed import finish_process, init_layout
     from megarl.engine.megatron_engine import MegatronEngine
     from megarl.models.hf_interop import load_hf_model
     from megarl.trainer.losses import actor_loss
@@ -126,7 +126,7 @@ def worker(model_dir: str, tp: int) -> None:
     if dist.get_rank() == 0:
         print("OVERHEAD " + json.dumps({"seconds": seconds, "tokens": int(batch.sequence_lengths_B.sum()),
                                         "layout": str(layout)}), flush=True)
-    leave_process_group()
+    finish_process()
 
 
 def main() -> None:

@@ -12,12 +12,11 @@ weights. Prints one line per model; exits 1 when any difference exceeds --tolera
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch.distributed as dist
 
 from megarl.config.schema import DTYPES, LAYER_SPECS
-from megarl.distributed import init_layout, leave_process_group
+from megarl.distributed import finish_process, init_layout
 from megarl.engine.parity import max_difference
 from megarl.models.hf_interop import load_hf_model
 
@@ -45,9 +44,8 @@ def main(argv=None) -> int:
             verdict = "OK" if ok else "FAIL"
             print(f"{verdict} {model_dir} {layout} {args.dtype}: max |megatron - transformers| = {difference:.3e} "
                   f"(tolerance {args.tolerance:g})", flush=True)
-    leave_process_group()
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    finish_process(main())

@@ -12,14 +12,14 @@ convert_to_hf.py, or load its weights at any layout.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
+from megarl.checkpoint.checkpointer import start_writer_results_queue
 from megarl.checkpoint.staging import begin, finish
-from megarl.distributed import init_layout, leave_process_group
+from megarl.distributed import finish_process, init_layout
 from megarl.models.hf_interop import load_hf_model
 
 
@@ -37,13 +37,13 @@ def main(argv=None) -> int:
     root, source = Path(args.output), Path(args.hf)
     model, _ = load_hf_model(args.hf, layout)
     staging = begin(root, 0, ["actor"])
+    start_writer_results_queue()  # megatron's own is a spawned process that would outlive this one
     dist_checkpointing.save({"model": model.sharded_state_dict()}, str(staging / "actor"))
     published = finish(root, 0, source)
     if dist.get_rank() == 0:
         print(f"wrote {published} from {layout}", flush=True)
-    leave_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    finish_process(main())

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megarl.checkpoint.model_loading import load_model, model_problem
-from megarl.distributed import init_layout, leave_process_group
+from megarl.distributed import finish_process, init_layout
 from megarl.engine.parity import max_difference
 from megarl.models.hf_interop import export_hf
 
@@ -55,9 +55,8 @@ def main(argv=None) -> int:
                   f"({'OK' if not status else 'FAIL'}, tolerance {args.tolerance:g})", flush=True)
     elif dist.get_rank() == 0:
         print(f"wrote {args.output}", flush=True)
-    leave_process_group()
     return status
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    finish_process(main())

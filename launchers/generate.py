@@ -41,7 +41,7 @@ from megarl.config.schema import MULTI_TURN_REWARDS, MultiTurnConfig, RolloutCon
 from megarl.data.dataset import load_rows, write_rows  # noqa: E402
 from megarl.data.prompt_dataset import PromptDataset  # noqa: E402
 from megarl.distributed import init_layout  # noqa: E402
-from megarl.distributed.launch import exit_after_success, init_process_group  # noqa: E402
+from megarl.distributed.launch import finish_process, init_process_group  # noqa: E402
 from megarl.doctor import MissingFeature, require  # noqa: E402
 from megarl.rewards import RewardManager, load_scoring_function  # noqa: E402
 from megarl.rollout import ROLLOUT_BACKENDS, RolloutEngine, Sampling  # noqa: E402
@@ -204,7 +204,7 @@ def main(argv: list[str]) -> None:
         mean = sum(rollouts.scores) / len(rollouts.scores)
         print(f"wrote {len(rollouts)} responses to {len(prompts)} prompts to {args.output}; mean score {mean:.4f}")
     engine.shutdown()
-    exit_after_success()
+    finish_process()
 
 
 if __name__ == "__main__":

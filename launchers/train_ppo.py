@@ -8,7 +8,7 @@ import sys
 from megarl.tracking.console import quiet_third_party_logs
 
 quiet_third_party_logs()  # before the libraries are imported: some warn or log while importing
-from megarl.distributed import exit_after_success  # noqa: E402
+from megarl.distributed import finish_process  # noqa: E402
 from megarl.rewards import RewardFunctionError  # noqa: E402
 from megarl.trainer.rl_trainer import RLTrainer  # noqa: E402
 from megarl.trainer.split import RolloutWorker  # noqa: E402
@@ -25,7 +25,7 @@ def main(argv: list[str]) -> None:
         program.fit()
     except RewardFunctionError as error:  # every reward call of a step failed: one line with the first failure
         exit_on_user_error(error)
-    exit_after_success()
+    finish_process()
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import sys
 from megarl.tracking.console import quiet_third_party_logs
 
 quiet_third_party_logs()  # before the libraries are imported: some warn or log while importing
-from megarl.distributed import exit_after_success  # noqa: E402
+from megarl.distributed import finish_process  # noqa: E402
 from megarl.trainer.sft import SFTTrainer  # noqa: E402
 from megarl.trainer.startup import exit_on_user_error, start_run  # noqa: E402
 
@@ -19,7 +19,7 @@ def main(argv: list[str]) -> None:
     except ValueError as error:  # config and data errors: one line naming the key, file or row
         exit_on_user_error(error)
     trainer.fit()
-    exit_after_success()
+    finish_process()
 
 
 if __name__ == "__main__":

@@ -179,8 +179,7 @@ class VLLMRollout:
         """Tear the engine down and remove this job's shared-memory segments (vLLM's CPU TP groups).
 
         vLLM's teardown destroys every process group of this process, the default one included, so
-        the ranks first wait for each other: none may still need a group. Otherwise it would run at
-        exit, unsynchronised, and fail on groups already destroyed (`leave_process_group`)."""
+        the ranks first wait for each other: none may still need a group."""
         dist.barrier()
         self.llm.llm_engine.engine_core.shutdown()
         for path in glob.glob(f"/dev/shm/{os.environ['VLLM_DIST_IDENT']}-*cpushm*"):

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from megarl.config.schema import EngineConfig, ModelConfig, OptimizerConfig
-from megarl.distributed import init_layout
+from megarl.distributed import finish_process, init_layout
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.batching import balance_over_data_parallel
 from megarl.engine.megatron_engine import MegatronEngine
@@ -127,4 +127,4 @@ report["param_count"] = sum(p.numel() for p in policy.module.parameters())
 report["grad_buckets"] = sum(len(buffer.buckets) for buffer in policy.model.buffers)
 if dist.get_rank() == 0:
     print("REPORT " + json.dumps(report), flush=True)
-dist.destroy_process_group()
+finish_process()

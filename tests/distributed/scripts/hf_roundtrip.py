@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megarl.distributed import init_layout
+from megarl.distributed import finish_process, init_layout
 from megarl.models.architecture import architecture_from_hf, read_hf_config
 from megarl.models.hf_interop import export_hf, load_hf_model
 
@@ -40,4 +40,4 @@ for model_dir in args.hf:
                                                            layout.etp), layout.pp_rank)
         assert built == on_paper, f"{model_dir}: built {built} != cost model {on_paper}"
     export_hf(model, arch, layout, os.path.join(args.out, os.path.basename(model_dir)), model_dir)
-dist.destroy_process_group()
+finish_process()

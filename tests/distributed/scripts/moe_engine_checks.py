@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from megarl.checkpoint import Checkpointer
 from megarl.config.schema import EngineConfig, ModelConfig, MoEConfig, OptimizerConfig
-from megarl.distributed import init_layout
+from megarl.distributed import finish_process, init_layout
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.batching import balance_over_data_parallel, fixed_micro_batches
 from megarl.engine.megatron_engine import MegatronEngine
@@ -313,7 +313,7 @@ def main():
                            for name, value in reference_step.items()}
     if dist.get_rank() == 0:
         print("REPORT " + json.dumps(report), flush=True)
-    dist.destroy_process_group()
+    finish_process()
 
 
 if __name__ == "__main__":

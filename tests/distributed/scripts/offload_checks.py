@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megarl.distributed import init_layout
+from megarl.distributed import finish_process, init_layout
 from megarl.rollout import ROLLOUT_BACKENDS
 from megarl.rollout.hf_backend import HFRollout
 from megarl.trainer.rl_trainer import RLTrainer
@@ -126,7 +126,7 @@ def main() -> None:
         report = {"ranks": everyone, "compared": compared, "differing": differing,
                   "losses": [[h["actor/pg_loss"], h["critic/vf_loss"]] for h in on["steps"]]}
         print("REPORT " + json.dumps(report), flush=True)
-    dist.destroy_process_group()
+    finish_process()
 
 
 def _value(argv: list[str], key: str, default):

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from vllm.model_executor.model_loader.reload import inplace, layerwise
 
 from megarl.config.schema import EngineConfig, ModelConfig, OptimizerConfig
-from megarl.distributed import init_layout
+from megarl.distributed import finish_process, init_layout
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.megatron_engine import MegatronEngine
 from megarl.models.hf_interop import export_hf
@@ -324,3 +324,4 @@ report["recovered_tokens_equal"] = vllm.generate(PROMPTS, greedy).response_ids =
 if rank == 0:
     print("REPORT " + json.dumps(report), flush=True)
 vllm.shutdown()
+finish_process()

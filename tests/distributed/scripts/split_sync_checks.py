@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from megarl.config.schema import EngineConfig, ModelConfig, OptimizerConfig
-from megarl.distributed import init_layout, leave_process_group
+from megarl.distributed import finish_process, init_layout
 from megarl.distributed.split_world import join_split_world
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.megatron_engine import MegatronEngine
@@ -63,4 +63,4 @@ if not world.is_trainer:
         "buckets": len(sync.buckets),
     }
     (out / f"report_{world.rank}.json").write_text(json.dumps(report))
-leave_process_group()
+finish_process()

@@ -2,11 +2,10 @@
 
 import sys
 
-import torch.distributed as dist
-
+from megarl.distributed import finish_process
 from megarl.trainer.startup import start_run
 
 run = start_run(sys.argv[1:], rl=True)
 run.save_config()
 print(f"rank {run.layout.rank}: {run.layout} tp_rank={run.layout.tp_rank} run_dir={run.run_dir}", flush=True)
-dist.destroy_process_group()
+finish_process()

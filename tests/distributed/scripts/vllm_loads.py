@@ -3,7 +3,7 @@
 import json
 import sys
 
-from megarl.distributed import init_layout
+from megarl.distributed import finish_process, init_layout
 from megarl.rollout.base import Sampling
 from megarl.rollout.hf_backend import HFRollout
 from megarl.rollout.vllm_backend import VLLMRollout
@@ -18,3 +18,4 @@ difference = max(abs(a - b) for x, y in zip(ours.logprobs, reference.logprobs) f
 print("REPORT " + json.dumps({"tokens_equal": ours.response_ids == reference.response_ids,
                               "logprob_diff": difference}), flush=True)
 vllm.shutdown()
+finish_process()
