@@ -15,7 +15,11 @@ shard (lent: the engine copies what it loads); the bucket goes to the engine and
 next one. Buckets are sized by the most any rank allocates for their tensors (its engine shards, but
 the lent ones, plus staging copies of column slices), so what
 a rank allocates per bucket stays within the bucket size at any engine TP size, unless one layer
-alone is larger; the reported peak counts those allocations.
+alone is larger; the reported peak counts those allocations. A rank that holds every slice it needs,
+with an engine whose last load was only a copy (`RolloutEngine.weight_places`: vLLM's direct load of
+layers it leaves plain, the `hf` engine), skips all of that: its slices are copied into the
+engine's tensors in one call (the quick start's 3.1 MiB in 0.16 ms, against 1.4 ms through the
+buckets and the direct load, and a memcpy's 0.10 ms).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -60,6 +64,15 @@ class _SyncProgress:
     received: int = 0
     sent: int = 0
     peak: int = 0
+
+
+class _Copies(NamedTuple):
+    """A sync into the engine's places, as pairs of views: valid for these places and shard addresses."""
+
+    places: dict[str, torch.Tensor | None]
+    addresses: list[int]
+    targets: list[torch.Tensor]
+    slices: list[torch.Tensor]
 
 
 def local_sources(module: torch.nn.Module, arch: Architecture, layout: ParallelLayout
@@ -182,6 +195,10 @@ class WeightSync:
         self.needs = {need.hf_name: need for need in self.plan.needs}
         self.lent = self.plan.lent(self.rank)
         self.lower_bound = self.plan.lower_bound(self.rank)
+        self.local = all(t.src == t.dst == self.rank for t in self.plan.transfers)
+        """Whether this rank holds every slice its engine needs: a sync may then copy them into the
+        engine's own tensors, where the engine says a load is that copy (`RolloutEngine.weight_places`)."""
+        self._copies: _Copies | None = None
         # Buckets by the most any rank allocates for each tensor, so that they are the same on every
         # rank and none allocates more than one bucket.
         hf_names = sorted(self.hf_shapes)
@@ -206,15 +223,21 @@ class WeightSync:
     def sync(self, step: int) -> SyncStats:
         """Load the current training weights into the engine; all ranks call this together.
 
-        The engine gets one load per sync, fed by a generator that moves one bucket at a time: a
+        Where this rank holds every slice its engine needs and the engine's last load was a copy into
+        places it names, the slices are copied into those places: no buckets, no loader. Otherwise
+        the engine gets one load per sync, fed by a generator that moves one bucket at a time: a
         bucket's transfers run when the engine asks for its first tensor, so the engine processes
         each layer once, as soon as its tensors arrived. The generator's collectives are entered by
         every rank in bucket order because every engine consumes the whole iterator in order."""
         start_time = time.perf_counter()
         progress = _SyncProgress()
         self.engine.begin_weight_update(step)
+        places = self.engine.weight_places() if self.local else None
         try:
-            self.engine.load_weights(self._buckets_in(progress))
+            if places is None:
+                self.engine.load_weights(self._buckets_in(progress))
+            else:
+                self._copy_into(places, progress)
         except Exception as error:
             names = progress.bucket or ["(before the first bucket)"]
             raise RuntimeError(
@@ -227,6 +250,24 @@ class WeightSync:
         load_seconds = load_start - start_time - progress.transfer_seconds + end_seconds
         return SyncStats(time.perf_counter() - start_time, load_seconds, progress.received, progress.sent,
                          self.lower_bound, progress.peak)
+
+    def _copy_into(self, places: dict[str, torch.Tensor | None], progress: _SyncProgress) -> None:
+        """Every slice this rank holds for itself, copied straight into its place in the engine, in one
+        call. The pairs of views are made once: for the same places, and training shards at the same
+        addresses (an offload frees and restores their storages in place), they are the same views."""
+        progress.bucket = ["(every tensor, into the engine's places)"]
+        start = time.perf_counter()
+        addresses = [p.data_ptr() for p in self.params.values()]
+        if self._copies is None or self._copies.places is not places or self._copies.addresses != addresses:
+            targets, slices = [], []
+            for t in self.plan.transfers:
+                place = places[t.hf_name]
+                if place is not None:
+                    targets.append(place.narrow(t.dim, t.start - self.needs[t.hf_name].start, t.stop - t.start))
+                    slices.append(self._shard_slice(t))
+            self._copies = _Copies(places, addresses, targets, slices)
+        torch._foreach_copy_(self._copies.targets, self._copies.slices)
+        progress.transfer_seconds = time.perf_counter() - start
 
     def _buckets_in(self, progress: _SyncProgress) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's engine shards, bucket by bucket; a bucket is freed before the next one arrives."""

@@ -77,6 +77,12 @@ class RolloutEngine(Protocol):
         and in order, so that every rank enters its collectives in the same order. A tensor may be a
         view of the trainer's own parameter: copy it, keep no reference."""
 
+    def weight_places(self) -> dict[str, torch.Tensor | None] | None:
+        """The engine's own tensors the last `load_weights` copied each HF tensor into, by name (None
+        for a tensor it drops), where copying into them is all a load does: a later update may then
+        write them itself, between `begin_weight_update` and `end_weight_update`, every one of them.
+        None before a complete load, and where a load does more (vLLM's reload, repacked kernels)."""
+
     def begin_weight_update(self, step: int) -> None:
         """Mark the engine as loading: generation is refused until `end_weight_update`."""
 

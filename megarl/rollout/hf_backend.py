@@ -30,6 +30,8 @@ class HFRollout:
         self.model = _load_model(model_dir, getattr(torch, dtype), dummy_weights).eval()
         self.eos_token_id = self.model.generation_config.eos_token_id
         self.guard = WeightUpdateGuard(has_weights=not dummy_weights)
+        self.places: dict[str, torch.Tensor] | None = None
+        """Where the last complete load copied each tensor."""
         self.routed: list[list[torch.Tensor]] = []  # per layer, the (tokens, k) indices of each forward
         self.routed_experts_shape = routed_experts_shape(self.model.config)
         if self.routed_experts_shape is not None:
@@ -85,9 +87,14 @@ class HFRollout:
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = self.model.state_dict()
+        self.places, params, places = None, self.model.state_dict(), {}
         for name, tensor in weights:
-            checkpoint_tensor(params, name).copy_(tensor)
+            places[name] = checkpoint_tensor(params, name)
+            places[name].copy_(tensor)
+        self.places = places
+
+    def weight_places(self) -> dict[str, torch.Tensor] | None:
+        return self.places
 
     def end_weight_update(self) -> None:
         self.guard.end()

@@ -167,6 +167,9 @@ class VLLMRollout:
             self.llm.collective_rpc(_abandon_partial_reload)
             raise
 
+    def weight_places(self) -> dict[str, torch.Tensor | None] | None:
+        return self.direct_loader.places if self.direct_loader is not None else None
+
     def end_weight_update(self) -> None:
         if self.direct_loader is None:  # the direct load processes a tied LM head itself
             self.llm.collective_rpc(_refresh_lm_head)

@@ -14,7 +14,9 @@ model without LoRA, whose checkpoint names map onto its parameters through the m
 A layer's tensors are held until all of them arrived, then copied in, and the layer is processed as
 a load processes it (`process_weights_after_loading`; on CPU the oneDNN repack of a linear layer,
 which drops the weight it was made from, so that weight is allocated again to be copied into). A
-load that fails therefore leaves every unfinished layer as it was.
+load that fails therefore leaves every unfinished layer as it was. A load that leaves every layer
+plain (nothing derived from its weights: see below, and CUDA) records where each tensor went; the
+next update may then copy into those places itself (`RolloutEngine.weight_places`).
 
 Except for small weights on CPU: there a layer of fewer than `PLAIN_GEMM_MAX_ELEMENTS` weights keeps
 its weight and multiplies it with torch's `linear`, as vLLM itself does for layers it does not pack
@@ -78,19 +80,26 @@ class DirectLoader:
         self.tied = [module for module in model.modules()
                      if getattr(module, "quant_method", None) is not None and module not in self.expected]
         """Layers that multiply another layer's weight (a tied LM head): processed once that one is in."""
+        self.places: dict[str, torch.Tensor | None] | None = None
+        """After a load that left every layer plain (`_process`): where each HF tensor was copied, by
+        name (None: a tensor the engine drops); copying into them is then a whole weight update."""
 
     def load(self, weights) -> None:
-        pending: dict[torch.nn.Module, dict[tuple[str, int], torch.Tensor]] = defaultdict(dict)
-        done = set()
+        self.places = None  # a load that fails part-way leaves none
+        pending: dict[torch.nn.Module, dict[tuple[str, int], tuple[str, torch.Tensor]]] = defaultdict(dict)
+        done, places, plain = set(), {}, True
         for name, tensor in weights:
             destination = self._destination(name)
             if destination is None:
+                places[name] = None
                 continue
             module = destination.module
             parts = pending[module]
-            parts[(destination.param, destination.part)] = tensor
+            parts[(destination.param, destination.part)] = (name, tensor)
             if len(parts) == sum(self.expected[module].values()):
-                _write(module, parts)
+                places |= _write(module, parts)
+                if getattr(module, "quant_method", None) is not None:
+                    plain &= _process(module)
                 done.add(module)
                 del pending[module]
         missing = [self._name_of(module) for module in self.expected if module not in done]
@@ -98,7 +107,9 @@ class DirectLoader:
             raise ValueError(f"weight update left {len(missing)} layers without all their tensors "
                              f"(their old weights would stay in use): {', '.join(missing[:5])}")
         for module in self.tied:
-            _process(module)
+            plain &= _process(module)
+        if plain:
+            self.places = places
 
     def _destination(self, name: str) -> _Destination | None:
         """Where the HF tensor `name` goes; None for a tensor vLLM drops (its mapper says so)."""
@@ -124,9 +135,9 @@ class DirectLoader:
 
 
 @torch.no_grad()
-def _write(module: torch.nn.Module, parts: dict[tuple[str, int], torch.Tensor]) -> None:
-    """Copy a layer's complete set of HF tensors into it, then process it as a load does. Every shape
-    is checked before anything is written."""
+def _write(module: torch.nn.Module, parts: dict[tuple[str, int], tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Copy a layer's complete set of HF tensors (name and tensor by parameter and row range) into it;
+    returns where each went. Every shape is checked before anything is written."""
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     targets = {}
@@ -137,8 +148,8 @@ def _write(module: torch.nn.Module, parts: dict[tuple[str, int], torch.Tensor]) 
                                  dtype=target.dtype, device=target.device)
         targets[param] = target
     sizes = getattr(module, "output_partition_sizes", None)
-    copies = []
-    for (param, part), tensor in parts.items():
+    places = {}
+    for (param, part), (name, tensor) in parts.items():
         place = targets[param] if sizes is None else targets[param].narrow(0, sum(sizes[:part]), sizes[part])
         # Only a vocabulary is padded past the tensor's rows.
         fits = tensor.shape[1:] == place.shape[1:] and (tensor.shape[0] == place.shape[0] or (
@@ -146,25 +157,28 @@ def _write(module: torch.nn.Module, parts: dict[tuple[str, int], torch.Tensor]) 
         if not fits:
             raise ValueError(f"{type(module).__name__}.{param}: got a tensor of shape {tuple(tensor.shape)} "
                              f"for a place of shape {tuple(place.shape)}")
-        copies.append((place, tensor))
-    for place, tensor in copies:
-        if tensor.shape[0] == place.shape[0]:
-            place.copy_(tensor)
-        else:  # a padded vocabulary: its padding zero, as vLLM's loader leaves it
-            place[: tensor.shape[0]].copy_(tensor)
+        places[name] = place
+    for name, tensor in parts.values():
+        place = places[name]
+        if tensor.shape[0] < place.shape[0]:  # a padded vocabulary: its padding zero, as vLLM's loader leaves it
             place[tensor.shape[0]:].zero_()
+            places[name] = place = place[: tensor.shape[0]]
+        place.copy_(tensor)
     for param, target in targets.items():
         if target is not getattr(module, param):
             setattr(module, param, torch.nn.Parameter(target, requires_grad=False))
-    if getattr(module, "quant_method", None) is not None:
-        _process(module)
+    return places
 
 
-def _process(module: torch.nn.Module) -> None:
-    """What a load does to a layer once its weights are in, small CPU weights aside (module docstring)."""
+def _process(module: torch.nn.Module) -> bool:
+    """What a load does to a layer once its weights are in, small CPU weights aside (module docstring).
+    True where the layer is left plain, multiplying the very tensor loaded into it (nothing derived
+    from it to make anew): a small CPU layer, and any layer on CUDA, where vLLM's unquantized methods
+    process nothing."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu() and module.weight.dim() == 2 and module.weight.numel() < PLAIN_GEMM_MAX_ELEMENTS:
         module.cpu_linear = torch.nn.functional.linear
-    else:
-        module.quant_method.process_weights_after_loading(module)
+        return True
+    module.quant_method.process_weights_after_loading(module)
+    return current_platform.is_cuda()

@@ -9,7 +9,9 @@ lower bound, the reported peak is what a bucket allocates and within the bucket 
 layer alone exceeds it), tensors a rank holds whole are lent to the engine uncopied, a sync is one
 load processing each layer once with no layer left unloaded: written directly into vLLM's
 parameters at engine TP1 for dense models (small weights kept for torch's `linear` on CPU), else one
-vLLM reload, and failed generations or syncs never leave a half-loaded engine serving.
+vLLM reload; or, once a direct load left every layer plain on a rank that holds every slice, no load
+but a copy into the engine's tensors; and failed generations or syncs never leave a half-loaded
+engine serving.
 """
 
 from __future__ import annotations
@@ -93,8 +95,11 @@ def test_rollout_after_resharding(tiny_models, tiny_moe_models, tmp_path, case):
     # is one bucket. Elsewhere q, k and v at least are allocated (pieces of several KV groups or ranks).
     lends_everything = (tp, pp, ep, engine_tp) == (1, 1, 1, 2)
     assert (report["buckets"] == 1) == lends_everything, report
-    assert report["loads_per_sync"] == {"reload": int(not direct), "direct": int(direct)}
-    assert report["layers_processed_once"] and report["failed_load_warnings"] == [], report
+    # At training and engine TP1 on one rank, the first direct load leaves every layer plain: later
+    # syncs load nothing, they copy into the engine's tensors.
+    copied = (nproc, direct) == (1, True)
+    assert report["loads_per_sync"] == {"reload": int(not direct), "direct": int(direct and not copied)}, report
+    assert report["layers_processed_once"] is (None if copied else True) and report["failed_load_warnings"] == []
     # A direct load keeps the tiny models' weights (all under 2^18 elements) plain on CPU, tied LM heads
     # included; vLLM's reload packs each layer for oneDNN.
     plain, layers = report["plain_gemm_layers"]

@@ -256,13 +256,14 @@ report["bytes_received"], report["lower_bound"] = stats.bytes_received, stats.lo
 
 # A second real step and sync, then the engine's sampled-token log-probs against the trainer's.
 # The sync is one load (direct, or vLLM's reload): each layer is processed once, and no layer warns it
-# got no weights.
+# got no weights. Or, where the rank holds every slice and the first sync left the engine plain, no
+# load at all: the slices are copied into the engine's tensors.
 train_step(hf_out.response_ids)
 with ReloadCounter(vllm.llm.collective_rpc(lambda worker: worker.model_runner.model)[0]) as counter:
     vllm_sync.sync(step=2)
 report["buckets"], report["direct_load"] = len(vllm_sync.buckets), vllm.direct_loader is not None
 report["loads_per_sync"] = {"reload": counter.reloads, "direct": counter.direct_loads}
-report["layers_processed_once"] = counter.each_owner_processed_once()
+report["layers_processed_once"] = counter.each_owner_processed_once() if counter.processed else None
 
 
 def gemm_layers(worker):
