@@ -87,7 +87,8 @@ class HFRollout:
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.places, params, places = None, self.model.state_dict(), {}
+        self.places = None  # until this load completes
+        params, places = self.model.state_dict(), {}
         for name, tensor in weights:
             places[name] = checkpoint_tensor(params, name)
             places[name].copy_(tensor)
