@@ -95,7 +95,7 @@ class CrossGroupSync:
         params = dict(self.module.named_parameters())
         works, sent = [], 0
         for t in transfers:
-            piece = params[t.megatron_name].detach().narrow(t.dim, t.shard_offset, t.stop - t.start).contiguous()
+            piece = t.of_shard(params[t.megatron_name].detach()).contiguous()
             works.append(self.world.bridge.send([piece], t.dst, 0))
             sent += piece.numel() * piece.element_size()
         for work in works:
@@ -115,7 +115,7 @@ class CrossGroupSync:
                        for name in names if name in self.needs}
             works, unpack = [], []
             for t in transfers:  # only the first replica's ranks have transfers
-                target = tensors[t.hf_name].narrow(t.dim, t.start - self.needs[t.hf_name].start, t.stop - t.start)
+                target = t.in_engine_shard(tensors[t.hf_name], self.needs[t.hf_name])
                 landing = target if target.is_contiguous() else torch.empty_like(target)
                 if landing is not target:
                     unpack.append((landing, target))

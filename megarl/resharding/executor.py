@@ -216,8 +216,7 @@ class WeightSync:
             self.bucket_transfers[bucket_of[t.hf_name]].append(t)
 
     def _shard_slice(self, transfer: Transfer) -> torch.Tensor:
-        shard = self.params[transfer.megatron_name].detach()
-        return shard.narrow(transfer.dim, transfer.shard_offset, transfer.stop - transfer.start)
+        return transfer.of_shard(self.params[transfer.megatron_name].detach())
 
     @torch.no_grad()
     def sync(self, step: int) -> SyncStats:
@@ -263,7 +262,7 @@ class WeightSync:
             for t in self.plan.transfers:
                 place = places[t.hf_name]
                 if place is not None:
-                    targets.append(place.narrow(t.dim, t.start - self.needs[t.hf_name].start, t.stop - t.start))
+                    targets.append(t.in_engine_shard(place, self.needs[t.hf_name]))
                     slices.append(self._shard_slice(t))
             self._copies = _Copies(places, addresses, targets, slices)
         torch._foreach_copy_(self._copies.targets, self._copies.slices)
@@ -313,7 +312,7 @@ class WeightSync:
             if t.hf_name in self.lent and t.dst == self.rank:
                 continue
             if t.dst == self.rank:
-                target = tensors[t.hf_name].narrow(t.dim, t.start - self.needs[t.hf_name].start, t.stop - t.start)
+                target = t.in_engine_shard(tensors[t.hf_name], self.needs[t.hf_name])
             if t.src == t.dst:
                 target.copy_(self._shard_slice(t))
             elif t.src == self.rank:

@@ -63,6 +63,14 @@ class Transfer:
     megatron_name: str
     shard_offset: int
 
+    def of_shard(self, shard):
+        """The slice this transfer moves, in the training shard of `megatron_name` (a tensor)."""
+        return shard.narrow(self.dim, self.shard_offset, self.stop - self.start)
+
+    def in_engine_shard(self, engine_shard, need: Need):
+        """Where this transfer lands in the engine shard (a tensor) that fills `need`."""
+        return engine_shard.narrow(self.dim, self.start - need.start, self.stop - self.start)
+
 
 @dataclass
 class Plan:
