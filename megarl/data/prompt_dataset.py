@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 
 from megarl.data.dataset import Prompt, checked_batches, open_parquet
-from megarl.data.tokenization import doubled_bos_error, special_prefix, unchecked_prompt_ids, uses_chat_template
+from megarl.data.tokenization import flawed_prompts_error, prompt_flaws, unchecked_prompt_ids, uses_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -128,10 +128,11 @@ def _mapped_tokens(file: str, tokenizer, apply_chat_template: bool, tools: list[
 
 def _tokenizer_fingerprint(tokenizer, apply_chat_template: bool, tools: list[dict] | None) -> str:
     """A hash of everything that decides a prompt's ids: the tokenizer's model and rules, its chat
-    template, its leading special tokens, whether the template is used and the tools it offers."""
+    template, the special tokens it surrounds a text with, whether the template is used and the tools
+    it offers."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     model = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
-    parts = (type(tokenizer).__name__, model, tokenizer.chat_template, special_prefix(tokenizer),
+    parts = (type(tokenizer).__name__, model, tokenizer.chat_template, tokenizer("")["input_ids"],
              uses_chat_template(tokenizer, apply_chat_template), json.dumps(tools or [], sort_keys=True))
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
@@ -145,15 +146,17 @@ def _build(file: str, tokenizer, apply_chat_template: bool, tools: list[dict] | 
     if has_extra_info:  # kept as written; read back row by row
         fields.append(source_schema.field("extra_info"))
     schema = pa.schema(fields)
-    bos = tokenizer.bos_token_id
     doubled: list[int] = []
+    empty: list[int] = []
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     try:
         with pa.OSFile(str(partial), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
             start = 0
             for batch, rows in checked_batches(file):
                 ids = unchecked_prompt_ids([row["prompt"] for row in rows], tokenizer, apply_chat_template, tools)
-                doubled += [start + i for i, row_ids in enumerate(ids) if bos is not None and row_ids[:2] == [bos, bos]]
+                flaws = prompt_flaws(ids, tokenizer)
+                doubled += [start + i for i in flaws[0]]
+                empty += [start + i for i in flaws[1]]
                 columns = [pa.array(ids, pa.list_(pa.int32())),
                            pa.array([row["data_source"] for row in rows], pa.string()),
                            pa.array([row["reward_model"]["ground_truth"] for row in rows], pa.string())]
@@ -161,8 +164,9 @@ def _build(file: str, tokenizer, apply_chat_template: bool, tools: list[dict] | 
                     columns.append(batch.column("extra_info"))
                 writer.write_batch(pa.record_batch(columns, schema=schema))
                 start += batch.num_rows
-        if doubled:
-            raise doubled_bos_error(file, doubled[0], len(doubled), start, tokenizer, apply_chat_template)
+        error = flawed_prompts_error(file, doubled, empty, start, tokenizer, apply_chat_template)
+        if error is not None:
+            raise error
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)

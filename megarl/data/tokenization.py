@@ -2,19 +2,22 @@
 and validation prompts, launchers/generate.py, SFT, the Megatron-vs-transformers parity check).
 
 - Raw text (a plain-string prompt, or chat messages joined by newlines when data.apply_chat_template
-  is false or the tokenizer has no chat template) gets the special tokens the tokenizer puts in
-  front of a text by default, e.g. the BOS of Llama's and Mistral's post-processors. The model was
-  trained with them: a tiny model SFT'd with BOS fell from 53.5% to 10.5% greedy accuracy without.
-  Specials a post-processor would append (an EOS) are left out: a prompt is the start of a
-  sequence the model goes on with, not a finished text.
+  is false or the tokenizer has no chat template) becomes the ids `tokenizer(text)` makes by default,
+  with the special tokens it puts in front, e.g. the BOS of Llama's and Mistral's post-processors. The
+  model was trained with them: a tiny model SFT'd with BOS fell from 53.5% to 10.5% greedy accuracy
+  without. Specials a post-processor appends after the text's own ids (an EOS) are left out: a prompt is
+  the start of a sequence the model goes on with, not a finished text. Which ids are the text's own is
+  read from the text's encoding without special tokens, never from a probe text (a vocabulary may lack
+  any given probe, which then encodes to nothing). A raw text with no id of its own (none of its
+  characters in the vocabulary) is an error: where its leading specials end cannot be told.
 - Messages rendered by the tokenizer's chat template get no special tokens from the tokenizer: the
   template writes those it wants (as transformers' `apply_chat_template(tokenize=True)` does). With
   `tools` (JSON schemas, `megarl.agent.tools.tool_schemas`), the template also writes its tools
   preamble, as for the openings of multi-turn trajectories.
 - A response continues its prompt and gets no special tokens of its own.
 
-A prompt that starts with BOS twice (a text or template that holds one, plus the tokenizer's) is a
-ValueError: the model never saw that in training.
+A prompt that starts with BOS twice (a text or template that holds one, plus the tokenizer's), or that
+has no token, is a ValueError: the model never saw that in training.
 """
 
 from __future__ import annotations
@@ -27,15 +30,17 @@ def uses_chat_template(tokenizer, apply_chat_template: bool) -> bool:
     return apply_chat_template and getattr(tokenizer, "chat_template", None) is not None
 
 
-def special_prefix(tokenizer) -> list[int]:
-    """The ids the tokenizer puts in front of every text it encodes by default ([] or [BOS] mostly)."""
-    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
-    full = tokenizer("a")["input_ids"]
-    for start in range(len(full) - len(plain) + 1):
-        if full[start: start + len(plain)] == plain:
-            return list(full[:start])
-    raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r}: its default special tokens do not "
-                     f"surround the text's own ids ({full} vs {plain}); cannot tell which ones start a sequence")
+def without_appended_specials(full: list[int], own: list[int]) -> list[int]:
+    """`full`, a text's ids with the tokenizer's default special tokens, up to the end of `own`, the text's
+    ids without them: the leading specials (a BOS) stay, those a post-processor appends (an EOS) go.
+    [] when the text has no id of its own."""
+    if not own:
+        return []
+    for start in range(len(full) - len(own) + 1):
+        if full[start: start + len(own)] == own:
+            return list(full[: start + len(own)])
+    raise ValueError(f"the tokenizer's default special tokens do not surround the text's own ids ({full} vs {own}); "
+                     "cannot tell which ones start a sequence")
 
 
 def render(prompt: PromptText, tokenizer, use_template: bool, tools: list[dict] | None = None) -> str:
@@ -50,24 +55,43 @@ def render(prompt: PromptText, tokenizer, use_template: bool, tools: list[dict] 
 def prompt_ids(prompts: list[PromptText], tokenizer, apply_chat_template: bool,
                source: str = "prompts") -> list[list[int]]:
     """Token ids of each prompt as the model expects them; ValueError naming `source` and the
-    prompt's index if one starts with BOS twice."""
+    prompt's index if one starts with BOS twice or has no token."""
     result = unchecked_prompt_ids(prompts, tokenizer, apply_chat_template)
-    bos = tokenizer.bos_token_id
-    doubled = [i for i, ids in enumerate(result) if bos is not None and ids[:2] == [bos, bos]]
-    if doubled:
-        raise doubled_bos_error(source, doubled[0], len(doubled), len(result), tokenizer, apply_chat_template)
+    error = flawed_prompts_error(source, *prompt_flaws(result, tokenizer), len(result), tokenizer, apply_chat_template)
+    if error is not None:
+        raise error
     return result
 
 
 def unchecked_prompt_ids(prompts: list[PromptText], tokenizer, apply_chat_template: bool,
                          tools: list[dict] | None = None) -> list[list[int]]:
-    """`prompt_ids` without the doubled-BOS check, for a caller that checks many chunks as one whole."""
+    """`prompt_ids` without its checks, for a caller that checks many chunks as one whole."""
+    if not prompts:
+        return []
     use_template = uses_chat_template(tokenizer, apply_chat_template)
     texts = [render(prompt, tokenizer, use_template, tools) for prompt in prompts]
-    all_ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-    prefix = special_prefix(tokenizer)
-    return [list(ids) if use_template and not isinstance(prompt, str) else prefix + list(ids)
-            for prompt, ids in zip(prompts, all_ids)]
+    own = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    raw = [i for i, prompt in enumerate(prompts) if isinstance(prompt, str) or not use_template]
+    full = dict(zip(raw, tokenizer([texts[i] for i in raw])["input_ids"] if raw else []))
+    return [without_appended_specials(full[i], own[i]) if i in full else list(own[i]) for i in range(len(prompts))]
+
+
+def prompt_flaws(ids: list[list[int]], tokenizer) -> tuple[list[int], list[int]]:
+    """The indices of the prompts that start with BOS twice, and of those that have no token."""
+    bos = tokenizer.bos_token_id
+    return ([i for i, row in enumerate(ids) if bos is not None and row[:2] == [bos, bos]],
+            [i for i, row in enumerate(ids) if not row])
+
+
+def flawed_prompts_error(source: str, doubled: list[int], empty: list[int], num_prompts: int, tokenizer,
+                         apply_chat_template: bool) -> ValueError | None:
+    """The error for `source`'s prompts that start with BOS twice or have no token (their indices), if any."""
+    if doubled:
+        return doubled_bos_error(source, doubled[0], len(doubled), num_prompts, tokenizer, apply_chat_template)
+    if empty:
+        return ValueError(f"{source}: prompt {empty[0]} ({len(empty)} of {num_prompts} prompts) has no token: none "
+                          "of its text is in the tokenizer's vocabulary")
+    return None
 
 
 def doubled_bos_error(source: str, first: int, num_doubled: int, num_prompts: int, tokenizer,

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from tokenizers import processors
-from transformers import AutoConfig, AutoTokenizer
+from tokenizers import Tokenizer, models, processors
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 
 from megarl.data import PromptDataset, write_rows
 from megarl.data.tokenization import prompt_ids
@@ -97,3 +97,38 @@ def test_specials_a_post_processor_appends_are_not_part_of_a_prompt():
         single="<|bos|> $A <|endoftext|>", special_tokens=[("<|bos|>", bos), ("<|endoftext|>", eos)])
     assert tokenizer("1+2=")["input_ids"] == [bos] + _chars(tokenizer, "1+2=") + [eos]
     assert prompt_ids(["1+2="], tokenizer, apply_chat_template=False) == [[bos] + _chars(tokenizer, "1+2=")]
+
+
+def _digits_tokenizer(appends_eos: bool) -> PreTrainedTokenizerFast:
+    """Digits and operators only, made here with `tokenizers`: no "a", no unknown token (a character outside
+    the vocabulary encodes to nothing), BOS in front of every text, and with `appends_eos` EOS after it."""
+    specials = ["<|bos|>", "<|eos|>"]
+    backend = Tokenizer(models.BPE({token: i for i, token in enumerate([*specials, *"0123456789+-*=: "])}, merges=[]))
+    backend.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A <|eos|>" if appends_eos else "<|bos|> $A", special_tokens=[("<|bos|>", 0), ("<|eos|>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|bos|>", eos_token="<|eos|>",
+                                   pad_token="<|eos|>")
+
+
+@pytest.mark.parametrize("appends_eos", [False, True], ids=["bos", "bos-eos"])
+def test_prompts_are_the_tokenizers_default_ids_without_trailing_specials(appends_eos, tmp_path):
+    """RL training and validation prompts and generate.py's (a PromptDataset), SFT sequences and the parity
+    check's prompts are `tokenizer(text)["input_ids"]` without the EOS a post-processor appends, for a
+    vocabulary that lacks any probe text; a prompt with no id of its own is a one-line data error."""
+    tokenizer = _digits_tokenizer(appends_eos)
+    assert tokenizer("a", add_special_tokens=False)["input_ids"] == []
+    texts = ["12+30=", "Q: 7*8="]  # "Q" is not in the vocabulary: dropped, as the tokenizer does by default
+    expected = [tokenizer(text)["input_ids"] for text in texts]
+    expected = [ids[:-1] if appends_eos else ids for ids in expected]
+    assert [ids[0] for ids in expected] == [tokenizer.bos_token_id] * 2 and tokenizer.eos_token_id not in expected[0]
+    dataset = PromptDataset([write_rows([_row(text) for text in texts], tmp_path / "data.parquet")], tokenizer, 64,
+                            apply_chat_template=False)
+    assert [dataset[i].prompt_ids for i in range(len(texts))] == expected
+    assert prompt_ids(texts, tokenizer, apply_chat_template=False) == expected
+    response, _ = reference_response(dataset[0], tokenizer, None, max_response_length=8)
+    assert dataset[0].prompt_ids + response == expected[0] + tokenizer("3", add_special_tokens=False)["input_ids"] + [
+        tokenizer.eos_token_id]
+
+    path = write_rows([_row("1+1="), _row("abc")], tmp_path / "letters.parquet")
+    with pytest.raises(ValueError, match=rf"^{path}: prompt 1 \(1 of 2 prompts\) has no token"):
+        PromptDataset([path], tokenizer, 64, apply_chat_template=False)
