@@ -9,7 +9,8 @@ a malformed *ground truth* raises ValueError (that is a data bug, not a model mi
   numeric ("18.0" matches "18"), not string equality.
 - math (`math`, `lighteval/MATH`, `DigitalLearningGmbH/MATH-lighteval`): math-verify's `parse` +
   `verify`. Its signal-based timeouts are disabled (signals only work in the main thread);
-  `RewardManager` applies the timeout instead.
+  `RewardManager` applies the timeout instead. An exception of math-verify's is not turned into a
+  score: `RewardManager` counts it in `reward/errors` (the item scores 0) and logs the first.
 - `arithmetic`: the first integer in the response equals the ground truth.
 - `countdown`: the last `<answer>...</answer>` (else the last line) is an expression over the given
   numbers, each used at most once, with only + - * / and parentheses; it is parsed with `ast` and
@@ -68,17 +69,18 @@ def gsm8k_score(solution_str: str, ground_truth: str, extra_info: dict | None = 
 
 
 def math_verify_score(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
-    from math_verify import parse, verify  # imported lazily: sympy is slow to import
-
     try:
-        gold_text = ground_truth if "$" in ground_truth or "\\boxed" in ground_truth else f"${ground_truth}$"
-        gold = parse(gold_text, parsing_timeout=None)
-        answer = parse(solution_str, parsing_timeout=None)
-        if not gold or not answer:
-            return 0.0
-        return 1.0 if verify(gold, answer, timeout_seconds=None) else 0.0
-    except Exception:  # math-verify raises on exotic LaTeX; an unparseable answer is a wrong one
-        return 0.0
+        from math_verify import parse, verify  # imported lazily: sympy is slow to import
+    except ModuleNotFoundError as error:
+        raise ModuleNotFoundError("the math rule scorer needs math-verify: make install (or pip install math-verify)") \
+            from error
+
+    gold_text = ground_truth if "$" in ground_truth or "\\boxed" in ground_truth else f"${ground_truth}$"
+    gold = parse(gold_text, parsing_timeout=None)
+    if not gold:
+        raise ValueError(f"math ground_truth {ground_truth!r} cannot be parsed")
+    answer = parse(solution_str, parsing_timeout=None)  # a response with nothing to parse is a wrong answer
+    return 1.0 if answer and verify(gold, answer, timeout_seconds=None) else 0.0
 
 
 for _source in ("math", "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval"):

@@ -59,6 +59,11 @@ def test_math_verify(source, response, ground_truth, expected):
     assert compute_score(source, response, ground_truth) == expected
 
 
+def test_math_ground_truth_that_cannot_be_parsed_is_a_data_error():
+    with pytest.raises(ValueError, match=r"math ground_truth ' ' cannot be parsed"):
+        compute_score("math", "$\\boxed{1}$", " ")
+
+
 @pytest.mark.parametrize("response, expected", [
     ("579", 1.0), (" 579 because 123+456", 1.0), ("578", 0.0), ("5 7 9", 0.0), ("no digits", 0.0), ("", 0.0)])
 def test_arithmetic(response, expected):
