@@ -16,6 +16,7 @@ state is saved per model parameter (`optimizer_state`), so it reshards over TP, 
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import random
 import shutil
@@ -37,6 +38,7 @@ from megarl.checkpoint.directory import (
     problem_with,
     remove_oldest,
     step_dirs,
+    step_of,
 )
 from megarl.checkpoint.optimizer_state import (
     check_step_counts,
@@ -46,6 +48,8 @@ from megarl.checkpoint.optimizer_state import (
 )
 from megarl.checkpoint.staging import begin, finish
 from megarl.distributed.process import exit_with_parent
+
+logger = logging.getLogger(__name__)
 
 
 def sharded_state(engine, is_loading: bool) -> dict:
@@ -122,7 +126,9 @@ class Checkpointer:
         self.queue = AsyncCallsQueue() if async_save else None
 
     def find(self, mode: str, path: str) -> Path | None:
-        """The checkpoint to resume from: the newest complete one (auto), none, or `path`.
+        """The checkpoint to resume from: the one `latest` names (auto; where it is damaged, the newest
+        complete one before it), none, or `path`. `latest` is the last published save: after a run rolled
+        back (`resume_mode=path` to an earlier step), higher steps of the abandoned future remain.
 
         `disable` refuses a checkpoint directory that already holds an earlier run's checkpoints:
         the new run's saves would mix with them (same step names, retention counting both, `latest`
@@ -142,6 +148,14 @@ class Checkpointer:
                 raise CheckpointError(f"trainer.resume_path={path}: not a usable checkpoint: {problem}")
             return target
         complete = complete_checkpoints(self.root)
+        latest = self.root / "latest"
+        if latest.is_file():
+            published = self.root / latest.read_text().strip()
+            if published in complete:
+                return published
+            logger.warning("latest names %s, which is not a complete checkpoint; resuming from the newest complete "
+                           "one before it", published)
+            complete = [path for path in complete if step_of(path) < step_of(published)]
         return complete[-1] if complete else None
 
     def save(self, step: int, engines: dict, trainer_state: dict) -> None:

@@ -66,6 +66,17 @@ def test_retention_keeps_the_checkpoint_just_published_whatever_its_step(tmp_pat
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["global_step_2", "global_step_3"]
 
 
+def test_auto_resumes_from_what_latest_names_not_the_highest_step(tmp_path, caplog):
+    # A run rolled back to step 1 published step 2 beside the abandoned step 6: it continues from 2.
+    for step in (1, 6, 2):
+        publish_fake_checkpoint(tmp_path, step)
+    assert _checkpointer(tmp_path).find("auto", "") == tmp_path / "global_step_2"
+    (tmp_path / "global_step_2" / "actor" / "shard.distcp").write_bytes(b"")  # then its checkpoint is damaged
+    with caplog.at_level(logging.WARNING):
+        assert _checkpointer(tmp_path).find("auto", "") == tmp_path / "global_step_1"  # its own past, not step 6
+    assert "latest names" in caplog.text and "global_step_2" in caplog.text
+
+
 def test_disable_refuses_a_directory_holding_an_earlier_runs_checkpoints(tmp_path):
     assert _checkpointer(tmp_path / "absent").find("disable", "") is None
     partial_dir(tmp_path, 1).mkdir()  # a save that never finished is no run to mix with
