@@ -114,7 +114,16 @@ class Tracker:
         if self._mlflow is not None:
             self._mlflow.log_artifact(str(path))
 
-    def close(self) -> None:
+    def close(self, status: str = "FINISHED") -> None:
         if self._mlflow is not None:
             self.flush()
-            self._mlflow.end_run()
+            self._mlflow.end_run(status=status)
+
+    def __enter__(self) -> "Tracker":
+        return self
+
+    def __exit__(self, error_type, error, traceback) -> None:
+        """Close the run: FINISHED, or FAILED when training stopped on an error (KILLED on Ctrl-C), so that the
+        store never shows a dead run as RUNNING."""
+        failed = "KILLED" if error_type is not None and issubclass(error_type, KeyboardInterrupt) else "FAILED"
+        self.close("FINISHED" if error_type is None else failed)

@@ -165,6 +165,14 @@ class RLTrainer:
     # ---- the loop ---------------------------------------------------------------------------------
 
     def fit(self) -> dict[str, float]:
+        with self.tracker:  # the mlflow run ends FAILED if training stops on an error
+            last = self._train()
+        if self.world is None:
+            self.policy.engine.shutdown()
+        return last
+
+    def _train(self) -> dict[str, float]:
+        """Validate, train every step left (validating and saving as configured), and leave the curves."""
         trainer = self.config.trainer
         last = {}
         if self.val_data is not None and trainer.val_before_train and self.start_step == 1:
@@ -187,9 +195,6 @@ class RLTrainer:
         if self.layout.rank == 0:
             self.tracker.log_artifact(plot_curves(self.tracker.history, self.run_dir / "curves.png"))
             self.tracker.log_artifact(self.run_dir / "config.yaml")
-        self.tracker.close()
-        if self.world is None:
-            self.policy.engine.shutdown()
         return last
 
     def step(self, step: int) -> dict[str, float]:

@@ -95,10 +95,10 @@ class SFTTrainer:
 
     def fit(self) -> None:
         freeze_start_up_objects()
-        for step in self.tracker.progress(range(1, self.config.trainer.total_steps + 1)):
-            metrics, _ = self.engine.train_mini_batch(self.batch(self.sampler.next_batch()), negative_log_likelihood)
-            moe = {f"actor/{key}": value for key, value in metrics.items() if key.startswith("moe/")}
-            self.tracker.log({"sft/nll": metrics["sft/nll"], "actor/grad_norm": metrics["grad_norm"],
-                              "actor/lr": metrics["lr"], **moe}, step)
-        export_hf(self.engine.module, self.engine.arch, self.layout, str(self.run_dir / "hf"), self.config.model.path)
-        self.tracker.close()
+        with self.tracker:
+            for step in self.tracker.progress(range(1, self.config.trainer.total_steps + 1)):
+                metrics, _ = self.engine.train_mini_batch(self.batch(self.sampler.next_batch()), negative_log_likelihood)
+                moe = {f"actor/{key}": value for key, value in metrics.items() if key.startswith("moe/")}
+                self.tracker.log({"sft/nll": metrics["sft/nll"], "actor/grad_norm": metrics["grad_norm"],
+                                  "actor/lr": metrics["lr"], **moe}, step)
+            export_hf(self.engine.module, self.engine.arch, self.layout, str(self.run_dir / "hf"), self.config.model.path)

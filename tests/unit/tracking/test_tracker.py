@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import mlflow
+import pytest
 
 from megarl.tracking import Tracker
 
@@ -79,3 +80,15 @@ def test_metrics_reach_the_store_every_log_freq_steps_on_flush_and_at_close(tmp_
     tracker.log({"reward/mean": 5.0}, step=5)
     tracker.close()
     assert stored() == [(step, float(step)) for step in range(1, 6)]
+
+
+def test_a_run_that_stops_on_an_error_ends_failed_with_its_metrics(tmp_path):
+    with pytest.raises(RuntimeError):
+        with _tracker(tmp_path / "failed") as tracker:
+            tracker.log({"reward/mean": 0.5}, step=1)
+            raise RuntimeError("the reward function broke")
+    with _tracker(tmp_path / "finished") as tracker:
+        tracker.log({"reward/mean": 0.5}, step=1)
+    (failed,), (finished,) = _runs(tmp_path / "failed"), _runs(tmp_path / "finished")
+    assert (failed.info.status, finished.info.status) == ("FAILED", "FINISHED")
+    assert failed.data.metrics == {"reward/mean": 0.5}
