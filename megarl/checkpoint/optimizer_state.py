@@ -19,6 +19,14 @@ which keeps a `step` tensor per parameter) has two defects that we correct here,
   tensors, which hold no `step`: the load fails with KeyError 'step'.
 With Transformer Engine or Apex (FusedAdam keeps one step per param group) neither applies and the
 code below leaves the state as megatron loaded it.
+
+Saving and loading, in any dtype but fp32: the distributed optimizer finds a parameter's main copy and
+Adam state through `model_param_group_index_map` (group, position), positions counted in the model's
+parameter order, but it orders each optimizer group's main parameters fp32 ones first, then the fp32
+copies of the bf16/fp16 ones. A bf16 model with some fp32 parameters (the RMSNorm weights of megatron's
+torch-norm fallback, used by the local layer spec on CPU and GPU) then saves, and loads, one parameter's
+state as another's: a shape error at the first save, or silently swapped state where the shapes agree.
+Before each save and load, `repair_param_positions` recounts the positions in the order the groups hold them.
 """
 
 from __future__ import annotations
@@ -33,7 +41,19 @@ def _chained(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
+def repair_param_positions(optimizer) -> None:
+    """Point each model parameter of a distributed optimizer at its own main parameter and Adam state
+    (see the module docstring); a no-op where a group holds parameters of one dtype."""
+    for part in _chained(optimizer):
+        if not hasattr(part, "model_param_group_index_map"):  # not a distributed optimizer
+            continue
+        for index, (fp32, low_precision) in enumerate(zip(part.model_fp32_groups, part.model_float16_groups)):
+            for position, model_param in enumerate([*fp32, *low_precision]):
+                part.model_param_group_index_map[model_param] = (index, position)
+
+
 def sharded_optimizer_state(optimizer, model_sharded_state: dict, is_loading: bool) -> dict:
+    repair_param_positions(optimizer)
     return optimizer.sharded_state_dict(model_sharded_state, is_loading=is_loading, metadata=OPTIMIZER_FORMAT)
 
 

@@ -13,31 +13,27 @@ optimizer step taken. Checkpoints are layout-independent (DP2 -> TP2, TP2 -> PP2
 Split placement at staleness 1 (one trainer rank, one rollout rank, `hf` engine) checkpoints the batch the
 rollout rank generated ahead: killed twice while that batch is queued, the resumed job trains every
 step on exactly the uninterrupted run's prompts, none lost or repeated, and no sample it trains on is
-more than one policy version old.
+more than one policy version old. It trains in bf16, whose fp32 norm weights (megatron's torch norm)
+beside bf16 parameters once made the distributed optimizer save each one's Adam state under another's name.
 """
 
 from __future__ import annotations
 
 import io
 import json
-import os
 import re
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlflow
-import psutil
 import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from megarl.data.synthetic import make_arithmetic
 from tests.conftest import ROOT
+from tests.integration.job_launch import Launch
 
 TOTAL_STEPS = 4
 TRAIN_BATCH_SIZE, MINI_BATCH_SIZE = 4, 2  # prompts: two optimizer steps per RL step, for actor and critic
@@ -60,10 +56,9 @@ JOBS = {
                    async_save=True),
     "grpo_split": Job("configs/quickstart.yaml", "quickstart_grpo",
                       ("trainer.placement=split", "rollout.num_ranks=1", "trainer.max_staleness=1",
-                       "rollout.backend=hf"), ("actor",),
+                       "rollout.backend=hf", "model.dtype=bfloat16"), ("actor",),
                       async_save=False),
 }
-TRAINED = re.compile(r"step (\d+): trains on prompts (\[[\d, ]*\]) of policy version (\d+)")
 
 
 @pytest.fixture(scope="module")
@@ -79,90 +74,6 @@ def _args(job: Job, model, data, out: Path, *extra: str) -> list[str]:
             f"data.train_batch_size={TRAIN_BATCH_SIZE}", f"actor.ppo_mini_batch_size={MINI_BATCH_SIZE}",
             "data.max_val_samples=4", "actor.optim.lr=1e-3", f"trainer.async_save={str(job.async_save).lower()}",
             f"reward.function={ROOT / 'tests/integration/user_reward.py'}:compute_score", *job.overrides, *extra]
-
-
-class Launch:
-    """One torchrun job of 2 workers in the background; its console and its debug log go to files."""
-
-    def __init__(self, out: Path, args: list[str]):
-        out.mkdir(parents=True, exist_ok=True)
-        stamp = time.time_ns()
-        self.console_path, self.log_path = out / f"console_{stamp}.txt", out / f"log_{stamp}.txt"
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MEGARL_LOG_LEVEL="DEBUG")
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                   "launchers/train_ppo.py", *map(str, args)]
-        with open(self.console_path, "w") as stdout, open(self.log_path, "w") as stderr:
-            self.agent = subprocess.Popen(command, cwd=ROOT, env=env, stdout=stdout, stderr=stderr)
-
-    def trained_batches(self) -> dict[int, tuple[list[int], int]]:
-        """Split placement: the prompts and policy version of each step trained (debug log)."""
-        return {int(step): (json.loads(prompts), int(version)) for step, prompts, version in TRAINED.findall(self.log())}
-
-    def console(self) -> str:
-        return self.console_path.read_text()
-
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def phase_began(self, step: int, phase: str) -> bool:
-        return f"step {step}: {phase} phase begins" in self.log()
-
-    def finish(self, timeout: float = 400) -> None:
-        self.agent.wait(timeout=timeout)
-        assert self.agent.returncode == 0, f"exit {self.agent.returncode}\n{self.console()[-3000:]}\n{self.log()[-8000:]}"
-
-    def wait_for(self, moment, timeout: float = 300) -> None:
-        deadline = time.time() + timeout
-        while not moment():
-            assert self.agent.poll() is None, f"the job ended before the moment to kill it\n{self.log()[-3000:]}"
-            assert time.time() < deadline, "timed out waiting for the moment to kill"
-            time.sleep(0.005)
-
-    def processes(self) -> list[psutil.Process]:
-        """The agent and every process below it."""
-        agent = psutil.Process(self.agent.pid)
-        return [agent, *agent.children(recursive=True)]
-
-    def crash(self) -> None:
-        """What a crash of the machine does to the job: every process dies at once. They are frozen
-        (SIGSTOP) first and listed again until the list is stable, so that none starts another
-        between the listing and the kill."""
-        frozen: set[psutil.Process] = set()
-        while new := set(self.processes()) - frozen:
-            for process in new:
-                _ignore_gone(process.suspend)
-            frozen |= new
-        for process in frozen:
-            _ignore_gone(process.kill)
-        self.agent.wait()
-        _, alive = psutil.wait_procs(frozen, timeout=10)
-        assert not alive, alive
-
-    def kill_agent(self, checkpoints: Path) -> None:
-        """SIGKILL of torchrun's agent alone: its workers (its children) must die with it and write no
-        checkpoint after, and every process below them must end too (a checkpoint writer once its
-        write is done). Every process below the agent is killed afterwards."""
-        workers, everything = psutil.Process(self.agent.pid).children(), self.processes()[1:]
-        assert len(workers) >= 2
-        before = sorted(checkpoints.glob("*global_step_*"))
-        try:
-            os.kill(self.agent.pid, signal.SIGKILL)
-            self.agent.wait()
-            _, alive = psutil.wait_procs(workers, timeout=5)
-            assert not alive, f"outlived their agent: {[p.cmdline()[-3:] for p in alive]}"
-            _, alive = psutil.wait_procs(everything, timeout=10)
-            assert not alive, f"outlived their workers: {[p.cmdline()[-3:] for p in alive]}"
-            assert sorted(checkpoints.glob("*global_step_*")) == before
-        finally:
-            for process in everything:
-                _ignore_gone(process.kill)
-
-
-def _ignore_gone(call):
-    try:
-        call()
-    except psutil.NoSuchProcess:
-        pass
 
 
 def _checkpoints(out: Path, job: Job) -> Path:
