@@ -35,8 +35,9 @@ TRITON_INSTALL = "pip install triton"
 CUDA_TORCH = "pip install --force-reinstall torch==2.13.0 --index-url https://download.pytorch.org/whl/cu130"
 ON_A_GPU = "on a machine with an NVIDIA GPU"
 NEEDS_GPU = f"run {ON_A_GPU} ({GPU_INSTALL}, or the Dockerfile's gpu target)"
-CORE_DISTRIBUTIONS = ("torch", "megatron-core", "transformers", "mlflow", "omegaconf", "pyarrow", "safetensors",
-                      "math-verify")
+# What every run needs; mlflow (its own feature, required when a run logs to it) and math-verify (imported by
+# the math rule scorer alone) are installed by `make install` but not needed by a run that does not use them.
+CORE_DISTRIBUTIONS = ("torch", "megatron-core", "transformers", "omegaconf", "pyarrow", "safetensors")
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,8 @@ def inspect_environment() -> Environment:
     torch_component, cuda = _torch()
     vllm_component, rollout, sleep = _vllm(cuda)
     te = _version("transformer-engine") if _importable("transformer_engine") else None
-    apex = (_version("apex") or "source build") if device is not None and device.nvidia_apex_importable() else None
+    nvidia_apex = device is not None and device.nvidia_apex_unavailable() is None
+    apex = (_version("apex") or "source build") if nvidia_apex else None
     triton = _version("triton") if _importable("triton") else None
     components = [
         Component("python", platform.python_version()),

@@ -53,7 +53,8 @@ class ModelConfig:
 
     layer_spec: str = "auto"
     """Transformer layer implementation, one of LAYER_SPECS; "auto" picks Transformer Engine
-    when it is importable and CUDA is present, the local (pure PyTorch) layers otherwise."""
+    when it is importable and CUDA is present, the local (pure PyTorch) layers otherwise and for a
+    model that shares prompts (share_prompt_forward)."""
 
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-experts training settings."""
@@ -171,8 +172,9 @@ class EngineConfig:
     gradients up to float rounding, with (n-1)/n of the prompt tokens not recomputed. Attention runs
     over whole rows, (P + nR)^2 scores for n responses of length R to a prompt of length P instead of
     n(P + R)^2, so it pays where the linear layers dominate: short sequences, long shared prompts.
-    Dense models with model.layer_spec=local and without Transformer Engine (its kernels take no
-    per-row mask)."""
+    Dense models, built with megatron's local layers and unfused RoPE (Transformer Engine's kernels
+    take no per-row mask): model.layer_spec=auto picks them, model.layer_spec=transformer_engine is
+    refused."""
 
 
 @dataclass

@@ -1,8 +1,10 @@
 """Bridges megatron-core's CUDA assumptions so that it runs on CPU over gloo.
 
-Applied only when `megarl.device` says CUDA is absent (`apply_cpu_compat` is a no-op otherwise).
 megatron-core 0.16 assumes a GPU (or Transformer Engine, or Apex) in thirteen places; each is bridged by one
-named `Bridge` below, so a test can leave one out and watch the megatron code path it guards fail:
+named `Bridge` below, so a test can leave one out and watch the megatron code path it guards fail.
+All are applied when `megarl.device` says CUDA is absent. On CUDA only the two that stand in for what
+Transformer Engine or Apex would provide (9 and 12, `Bridge.on_cuda`) are: megatron's local layers
+need them there too, with `model.layer_spec=local` or when TE does not import.
 
 1. `current_device`: `torch.cuda.current_device()` used as the device of buffers (the global
    memory buffer of local attention, DDP buffers, pipeline p2p shape tensors).
@@ -17,7 +19,7 @@ named `Bridge` below, so a test can leave one out and watch the megatron code pa
 8. `optimizer_gather_cuda`: saving the distributed optimizer's state in its layout-independent
    (`fully_reshardable`) form all-gathers it over DP after `Tensor.cuda()`.
 9. `te_general_gemm`: the MoE router's gating GEMM tests `te_general_gemm is not None`, a name
-   that `moe_utils` defines only when Transformer Engine imports.
+   that `moe_utils` defines only when Transformer Engine imports (on CUDA too).
 10. `alltoall_streams`: the alltoall token dispatcher copies its token counts to the host on a
    side `torch.cuda.Stream` and waits on an event recorded there; on CPU the counts already live
    on the host, and the stream and event do nothing.
@@ -27,8 +29,9 @@ named `Bridge` below, so a test can leave one out and watch the megatron code pa
 12. `torch_norm_sequence_parallel`: sequence parallelism (which megatron needs to train MoE layers
    at TP > 1) splits the norms' inputs over the TP ranks, so each rank's norm-weight gradient is a
    partial sum that `finalize_model_grads` all-reduces for weights marked `sequence_parallel`.
-   Apex's and TE's norms mark them; megatron's torch-norm fallback asserts sequence parallelism
-   away instead. On CPU it builds the same torch norm and marks its weights.
+   Apex's and TE's norms mark them; megatron's torch-norm fallback (the local spec's RMSNorm, Apex or
+   not) asserts sequence parallelism away instead. The bridge builds the same torch norm and marks
+   its weights.
 13. `uneven_sequence_parallel`: with sequence parallelism, experts split over expert-TP ranks gather
    the tokens routed to them from the sequence-parallel ranks, a different number from each
    (`all_gather` into unequal parts), and reduce-scatter their gradients back the same way
@@ -111,9 +114,12 @@ def _torch_view() -> _ForwardingView:
 class Bridge:
     name: str
     assumption: str
-    apply: Callable[[_ForwardingView], None]
+    apply: Callable[[_ForwardingView | None], None]
     symptom: str = "cuda"
     """What the error of the megatron path reads like without the bridge (lower case)."""
+    on_cuda: bool = False
+    """Applied on CUDA too: it stands in for a Transformer Engine or Apex module, not for CUDA. Such a
+    bridge patches megatron's modules itself and is given no view of torch (None)."""
 
 
 def _on_cpu(device):
@@ -272,6 +278,8 @@ def _apply_alltoall_split_sizes(view):
 def _apply_torch_norm_sequence_parallel(view):
     torch_norm = sys.modules["megatron.core.transformer.torch_norm"].WrappedTorchNorm
     build = torch_norm.__new__
+    if getattr(build, "_megarl_bridged", False):
+        return
 
     def build_marked(cls, config, *args, **kwargs):
         unsplit = copy.copy(config)  # the fallback's own checks see no sequence parallelism
@@ -281,6 +289,7 @@ def _apply_torch_norm_sequence_parallel(view):
             param.sequence_parallel = config.sequence_parallel
         return norm
 
+    build_marked._megarl_bridged = True
     torch_norm.__new__ = staticmethod(build_marked)
 
 
@@ -323,13 +332,13 @@ BRIDGES = (
     Bridge("optimizer_gather_cuda", "Tensor.cuda() before gathering optimizer state to save it",
            _apply_optimizer_gather_cuda),
     Bridge("te_general_gemm", "MoE router gating reads te_general_gemm, undefined without TE", _apply_te_general_gemm,
-           symptom="te_general_gemm"),
+           symptom="te_general_gemm", on_cuda=True),
     Bridge("alltoall_streams", "alltoall token dispatcher copies counts to the host on a CUDA stream",
            _apply_alltoall_streams),
     Bridge("alltoall_split_sizes", "alltoall split sizes become numpy arrays only by a device-to-host copy",
            _apply_alltoall_split_sizes, symptom="all_to_all_single"),
     Bridge("torch_norm_sequence_parallel", "sequence-parallel norms need Apex or TE to mark their weights",
-           _apply_torch_norm_sequence_parallel, symptom="sequence parallel"),
+           _apply_torch_norm_sequence_parallel, symptom="sequence parallel", on_cuda=True),
     Bridge("uneven_sequence_parallel", "expert-TP token gathers and gradient scatters of unequal parts over gloo",
            _apply_uneven_sequence_parallel, symptom="invalid tensor size"),
 )
@@ -388,27 +397,35 @@ def faster_collectives(view) -> None:
     buffers.dist_all_gather_func = _all_gather_in_place(buffers.dist_all_gather_func)
 
 
-def apply_cpu_compat(skip: Iterable[str] = ()) -> None:
-    """Bridge every CUDA assumption of megatron-core, except those named in `skip` (for tests).
+def needed_bridges() -> list[Bridge]:
+    """The bridges this process needs: all of them without CUDA; on CUDA those standing in for
+    Transformer Engine or Apex modules (`Bridge.on_cuda`)."""
+    return [bridge for bridge in BRIDGES if bridge.on_cuda or not device.cuda()]
 
-    Does nothing when CUDA is available or when already applied in this process (the first call
-    decides the set of bridges). Call before building models.
+
+def apply_cpu_compat(skip: Iterable[str] = ()) -> None:
+    """Apply the bridges this process needs (`needed_bridges`), except those named in `skip` (for tests).
+
+    Does nothing when already applied in this process (the first call decides the set of bridges).
+    Call before building models.
     """
-    if device.cuda():
-        return
     skip = set(skip)
     unknown = skip - {bridge.name for bridge in BRIDGES}
     if unknown:
         raise ValueError(f"unknown CPU bridges {sorted(unknown)}; known: {[b.name for b in BRIDGES]}")
     for module_name in _MEGATRON_ENTRY_POINTS:
         importlib.import_module(module_name)
+    bridges = [bridge for bridge in needed_bridges() if bridge.name not in skip]
+    if device.cuda():
+        for bridge in bridges:
+            bridge.apply(None)  # each is idempotent
+        return
     if isinstance(sys.modules["megatron.core.utils"].torch, _ForwardingView):
         return
     view = _torch_view()
     for name, module in list(sys.modules.items()):
         if name.startswith("megatron.core") and getattr(module, "torch", None) is torch:
             module.torch = view
-    for bridge in BRIDGES:
-        if bridge.name not in skip:
-            bridge.apply(view)
+    for bridge in bridges:
+        bridge.apply(view)
     faster_collectives(view)

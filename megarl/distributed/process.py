@@ -3,7 +3,10 @@
 Some settings change the whole process rather than one object, so they are made explicitly, once,
 before any model, engine or checkpoint exists, instead of on import or in a constructor:
 
-- megatron-core's CPU compatibility layer (`cpu_compat`), where `megarl.device` says CUDA is absent;
+- megatron-core's compatibility layer (`cpu_compat`): its CUDA assumptions bridged where `megarl.device`
+  says CUDA is absent, and on every device what it lacks without Transformer Engine or Apex;
+- on CUDA, one warning line per host naming each GPU feature that is off and why
+  (`megarl.device.unavailable_gpu_features`): a missing Transformer Engine must not pass unnoticed;
 - vLLM's environment for an engine colocated in this process: `VLLM_ENABLE_V1_MULTIPROCESSING=0`
   (the engine lives in this process, not in a child) and `VLLM_DIST_IDENT` (names vLLM's CPU
   shared-memory segments; unique per job, from its rendezvous port, so jobs on one host never clash);
@@ -26,6 +29,7 @@ import os
 import signal
 import sys
 
+from megarl import device
 from megarl.distributed import safe_metadata
 from megarl.distributed.cpu_compat import apply_cpu_compat
 
@@ -36,6 +40,7 @@ def configure_process() -> None:
     if "TORCHELASTIC_RUN_ID" in os.environ:
         exit_with_parent()
     apply_cpu_compat()
+    report_unavailable_gpu_features()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_DIST_IDENT", f"megarl{os.environ['MASTER_PORT']}")
     safe_metadata.install()
@@ -49,6 +54,16 @@ def _log_to_stderr(rank: str) -> None:
     handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(name)s: %(message)s"))
     megarl_logger.addHandler(handler)
     megarl_logger.setLevel(os.environ.get("MEGARL_LOG_LEVEL", "WARNING").upper())
+
+
+def report_unavailable_gpu_features() -> None:
+    """Log "GPU features off: transformer_engine (ImportError: ...), apex (not installed)" once per
+    host (local rank 0): the features are the machine's, the same on each of its ranks. Nothing on
+    CPU, where they are off by design."""
+    off = device.unavailable_gpu_features()
+    if off and os.environ.get("LOCAL_RANK", "0") == "0":
+        logging.getLogger("megarl").warning(
+            "GPU features off: " + ", ".join(f"{name} ({why})" for name, why in off.items()))
 
 
 def exit_with_parent() -> None:

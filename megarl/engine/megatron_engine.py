@@ -124,13 +124,14 @@ class MegatronEngine:
             finalize_model_grads_func=_finalize_without_token_scaling,
             grad_scale_func=self.loss_scaling if trainable else None,
         )
+        layer_spec = resolve_layer_spec(model_config.layer_spec, shared_prompts=config.share_prompt_forward)
         self.module, self.arch = load_hf_model(
-            model_path or model_config.path, layout, model_config.dtype, model_config.layer_spec,
+            model_path or model_config.path, layout, model_config.dtype, layer_spec,
             model_config.make_vocab_size_divisible_by, recompute_activations=config.recompute_activations,
             value_head=value_head, schedule=schedule, moe=MoESettings(**asdict(model_config.moe)),
         )
         self.model = self.module
-        self.packed = resolve_layer_spec(model_config.layer_spec) == "transformer_engine"
+        self.packed = layer_spec == "transformer_engine"
         # Sequence parallelism splits each micro-batch's tokens over the TP ranks.
         self.sequence_multiple = layout.tp if self.module.config.sequence_parallel else 1
         if router_replay and not self.arch.is_moe:
@@ -150,10 +151,9 @@ class MegatronEngine:
 
     def _positioned_rope(self, model_path: str) -> PositionedRope:
         """Per-token RoPE positions for the shared-prompt layout, which needs an arbitrary attention
-        mask (megatron's local attention) and RoPE angles per row (its unfused RoPE)."""
-        if self.packed or self.module.config.apply_rope_fusion:
-            raise ValueError("share_prompt_forward=true needs model.layer_spec=local and no Transformer Engine "
-                             "(its fused attention and RoPE take no per-row mask or positions)")
+        mask (megatron's local attention) and RoPE angles per row (its unfused RoPE): what
+        `resolve_layer_spec` builds for a model that shares prompts."""
+        assert not self.packed and not self.module.config.apply_rope_fusion
         if self.arch.is_moe:
             raise ValueError(f"share_prompt_forward=true supports dense models; {model_path} is a mixture of experts")
         return PositionedRope(self.module)

@@ -107,8 +107,7 @@ class MemoryPhases:
                 freed[category] += nbytes
         live = {key for storages in found.values() for key in storages} | set(self._offloaded)
         self._pinned = {key: buffer for key, buffer in self._pinned.items() if key in live}
-        if device_type == "cuda":
-            torch.cuda.empty_cache()  # hand the freed blocks back so that vLLM can map them
+        device.release_cached_memory()  # hand the freed blocks back so that vLLM can map them
         return freed
 
     def _host_copy(self, key: int, storage: torch.UntypedStorage) -> torch.Tensor:

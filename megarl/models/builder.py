@@ -1,8 +1,9 @@
 """Building megatron-core GPT models (actor, reference, critic, reward) for an `Architecture`.
 
 The layer spec decides *which* modules implement the layer: megatron-core's local modules on CPU,
-Transformer Engine's fused ones where `megarl.device` says TE is usable (`layer_spec="auto"`).
-Fused kernels and sequence parallelism follow the device too (`fused_kernels`).
+Transformer Engine's fused ones where `megarl.device` says TE is usable (`layer_spec="auto"`), except
+for a model that shares prompts (`resolve_layer_spec`). Fused kernels and sequence parallelism follow
+the device and the layer spec (`fused_kernels`).
 
 Mixture-of-experts architectures get megatron-core's own MoE layer in every decoder layer: a
 router, the experts (one MLP per local expert with the local spec; grouped GEMMs over the local
@@ -95,11 +96,17 @@ def moe_transformer_fields(arch: Architecture, layout: ParallelLayout, moe: MoES
     )
 
 
-def resolve_layer_spec(layer_spec: str) -> str:
+def resolve_layer_spec(layer_spec: str, shared_prompts: bool = False) -> str:
+    """"auto" -> Transformer Engine where `megarl.device` says it is usable, megatron's local layers
+    elsewhere and for `shared_prompts` (`share_prompt_forward`: per-row attention masks and RoPE
+    positions, which TE's fused attention and RoPE do not take)."""
     if layer_spec not in LAYER_SPECS:
         raise ValueError(f"model.layer_spec={layer_spec!r}; allowed: {', '.join(LAYER_SPECS)}")
     if layer_spec == "auto":
-        return "transformer_engine" if device.transformer_engine() else "local"
+        return "transformer_engine" if device.transformer_engine() and not shared_prompts else "local"
+    if layer_spec == "transformer_engine" and shared_prompts:
+        raise ValueError("share_prompt_forward=true needs megatron's local layers (Transformer Engine's attention "
+                         "takes no per-row mask); allowed: model.layer_spec=auto or local")
     if layer_spec == "transformer_engine" and not device.transformer_engine():
         raise ValueError("model.layer_spec='transformer_engine' needs CUDA and `pip install megarl[gpu]`")
     return layer_spec
@@ -109,22 +116,26 @@ def fused_kernels(layer_spec: str, tp: int, is_moe: bool = False) -> dict[str, b
     """megatron-core's speed features, on where they run (`layer_spec` resolved):
 
     - SwiGLU and bias-dropout-add fusions: megatron's own jit-fused functions, on CUDA;
-    - RoPE fusion: Transformer Engine's kernels (BSHD and THD); unfused RoPE on packed THD
-      micro-batches syncs with the host in every layer;
+    - RoPE fusion: Transformer Engine's kernels (BSHD and THD), with TE's layers; unfused RoPE on
+      packed THD micro-batches syncs with the host in every layer. The local layers keep megatron's
+      unfused RoPE on every device, which takes per-row positions (`share_prompt_forward`);
     - gradient-accumulation fusion: TE's layers accumulate weight gradients straight into the
-      fp32 `main_grad` buffers (megatron's local layers would need Apex's extension for it);
+      fp32 `main_grad` buffers; megatron's own output layer then needs Apex's extension for it
+      (`device.gradient_accumulation_fusion`), without which megatron refuses to build the model;
     - sequence parallelism at TP > 1: activations outside attention and MLP are split over the
-      sequence. On CUDA always; on CPU for mixture-of-experts models only, which megatron-core
-      trains at TP > 1 with it alone (dense models keep the CPU path their parity is measured on).
+      sequence. With TE's layers; with the local layers for mixture-of-experts models only, which
+      megatron-core trains at TP > 1 with it alone (the torch-norm bridge of `cpu_compat`, applied
+      on every device, marks their norms' weights). Dense local models keep the path their parity is
+      measured on, on CPU and GPU alike (megatron's torch norm asserts sequence parallelism away).
     Masked-softmax and persistent layer-norm fusions stay off: TE's attention and RMSNorm replace
     them, and megatron's local versions need Megatron-LM's own CUDA extensions."""
     cuda, te_layers = device.cuda(), layer_spec == "transformer_engine"
     return {
         "bias_activation_fusion": cuda,
         "bias_dropout_fusion": cuda,
-        "apply_rope_fusion": device.transformer_engine(),
-        "gradient_accumulation_fusion": te_layers,
-        "sequence_parallel": tp > 1 and (cuda or is_moe),
+        "apply_rope_fusion": te_layers,
+        "gradient_accumulation_fusion": te_layers and device.gradient_accumulation_fusion(),
+        "sequence_parallel": tp > 1 and (te_layers or is_moe),
     }
 
 
@@ -210,4 +221,6 @@ def build_model(
     if arch.value_model and layout.is_last_stage:
         model.output_layer = ValueHead(arch.hidden_size, config.params_dtype, device.compute_device(),
                                        config.sequence_parallel)
-    return model
+    # megatron's torch-norm fallback (the local spec without Apex) makes its weights on the CPU whatever the
+    # config says; like Megatron-LM, move the whole model to the rank's device once built.
+    return model.to(device.compute_device())

@@ -5,4 +5,5 @@ reverse); `megarl.models.builder.resolve_layer_spec` turns "auto" into one of th
 """
 
 LAYER_SPECS = ("auto", "local", "transformer_engine")
-"""auto: Transformer Engine where `megarl.device` says it is usable, megatron-core's local layers elsewhere."""
+"""auto: Transformer Engine where `megarl.device` says it is usable, megatron-core's local layers elsewhere
+(and for a model that shares prompts)."""

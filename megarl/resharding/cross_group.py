@@ -25,6 +25,7 @@ from typing import Iterator
 
 import torch
 
+from megarl import device
 from megarl.distributed.layout import ParallelLayout
 from megarl.distributed.split_world import SplitWorld
 from megarl.models.architecture import Architecture
@@ -110,8 +111,9 @@ class CrossGroupSync:
     def _buckets_in(self, received: list[int], peak: list[int]) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's engine shards, bucket by bucket: received from the trainers (first replica) or
         broadcast from the first replica's rank at the same engine TP position (the others)."""
+        on = device.compute_device()  # the bridge's backend takes this device's tensors: NCCL's CUDA, gloo's CPU
         for names, transfers in zip(self.buckets, self.bucket_transfers):
-            tensors = {name: torch.empty(self._shard_shape(self.needs[name]), dtype=self.hf_dtypes[name])
+            tensors = {name: torch.empty(self._shard_shape(self.needs[name]), dtype=self.hf_dtypes[name], device=on)
                        for name in names if name in self.needs}
             works, unpack = [], []
             for t in transfers:  # only the first replica's ranks have transfers

@@ -1,7 +1,9 @@
 """Plain `transformers` generation: the reference for parity tests and a fallback without vLLM.
 
 Sequential and unbatched on purpose (one prompt at a time, no padding): slow, but with nothing
-that could make it differ from a textbook forward pass.
+that could make it differ from a textbook forward pass. The model runs on the rank's compute device;
+each token is drawn on the CPU from the last position's logits, so that a seed gives the same draws
+on every device.
 
 Weights arrive under their checkpoint names. transformers 5 holds a mixture-of-experts layer's
 experts stacked (`experts.gate_up_proj` (E, 2 x ffn, h), `experts.down_proj` (E, h, ffn)) and
@@ -21,13 +23,14 @@ from typing import Iterable
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+from megarl import device
 from megarl.rollout.base import ROLLOUT_BACKENDS, RolloutOutput, Sampling, WeightUpdateGuard, routed_experts_shape
 
 
 @ROLLOUT_BACKENDS.register("hf")
 class HFRollout:
     def __init__(self, model_dir: str, dtype: str, dummy_weights: bool = False, **unused):
-        self.model = _load_model(model_dir, getattr(torch, dtype), dummy_weights).eval()
+        self.model = _load_model(model_dir, getattr(torch, dtype), dummy_weights).to(device.compute_device()).eval()
         self.eos_token_id = self.model.generation_config.eos_token_id
         self.guard = WeightUpdateGuard(has_weights=not dummy_weights)
         self.places: dict[str, torch.Tensor] | None = None
@@ -58,17 +61,17 @@ class HFRollout:
 
     def _take_routing(self) -> torch.Tensor:
         """(P + R - 1, L, k) int16 experts of the sequence just sampled (every position it fed)."""
-        routing = torch.stack([torch.cat(forwards) for forwards in self.routed], 1).short()
+        routing = torch.stack([torch.cat(forwards) for forwards in self.routed], 1).short().cpu()
         for forwards in self.routed:
             forwards.clear()
         return routing
 
     def _sample(self, prompt, sampling: Sampling, max_tokens: int, stop: set[int], generator):
-        tokens = torch.tensor([prompt])
+        tokens = torch.tensor([prompt], device=self.model.device)
         ids, logprobs, cache = [], [], None
         for _ in range(max_tokens):
             out = self.model(tokens if cache is None else tokens[:, -1:], past_key_values=cache, use_cache=True)
-            cache, logits = out.past_key_values, out.logits[0, -1].float()
+            cache, logits = out.past_key_values, out.logits[0, -1].float().cpu()
             if sampling.temperature == 0:
                 token = int(logits.argmax())
                 log_p = torch.log_softmax(logits, -1)
@@ -79,7 +82,7 @@ class HFRollout:
             logprobs.append(float(log_p[token]))
             if token in stop:
                 return ids, logprobs, "stop"
-            tokens = torch.cat([tokens, torch.tensor([[token]])], dim=1)
+            tokens = torch.cat([tokens, torch.tensor([[token]], device=tokens.device)], dim=1)
         return ids, logprobs, "length"
 
     def begin_weight_update(self, step: int) -> None:

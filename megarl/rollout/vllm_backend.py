@@ -80,6 +80,18 @@ CPU_BLOCK_GRANULE, CPU_DEFAULT_BLOCK = 32, 128
 """vLLM's CPU attention wants KV blocks of a multiple of 32 tokens; its platform defaults to 128."""
 
 
+FP32_CUDA_ATTENTION = "TRITON_ATTN"
+"""vLLM's CUDA attention backend for float32 models: its first choices, FlashAttention and FlashInfer,
+take float16 and bfloat16 only (`supported_dtypes`); Triton's takes float32 too."""
+
+
+def attention_config(dtype: str) -> dict:
+    """vLLM's `attention_config` for a model of `dtype` here: a float32 model on CUDA is pinned to an
+    attention backend that takes float32 (vLLM would fall back to it after refusing the first
+    choices, but the choice is made here, where it is tested); otherwise vLLM's own choice."""
+    return {"backend": FP32_CUDA_ATTENTION} if device.cuda() and dtype == "float32" else {}
+
+
 def cpu_block_size(max_model_len: int) -> int:
     """The smallest block a whole sequence fits in, up to vLLM's CPU default: a KV cache of 128-token
     blocks holds 4x fewer sequences of 24 tokens than one of 32-token blocks, and a rollout that does
@@ -107,7 +119,7 @@ class VLLMRollout:
                 model=model_dir, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
                 distributed_executor_backend="external_launcher", enforce_eager=moe or not device.cuda(),
                 max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs",
-                load_format="dummy" if dummy_weights else "auto", **memory,
+                load_format="dummy" if dummy_weights else "auto", attention_config=attention_config(dtype), **memory,
                 **({"enable_prefix_caching": False} if moe else {}),
             )
         if moe:

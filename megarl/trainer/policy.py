@@ -10,7 +10,8 @@ The engine starts with dummy weights: every generation follows a sync from the p
 the checkpoint's weights a second time (minutes for a large model) would be wasted. Memory is
 shared in time: the engine is created while the models that offload are off the device (vLLM sizes
 its KV cache from the free memory it sees then), and each rollout wakes the engine's weights
-before the sync and its KV cache after it, once the policy's own parameters have left too.
+before the sync and its KV cache after it, once the policy's own parameters have left too. Each
+wake-up first has PyTorch's allocator hand back the blocks it caches (`_wake`).
 
 A sync is skipped when the engine still holds the weights of the current `weights_version` (the
 training weights change only by an optimizer step or a checkpoint load): a validation's sync serves
@@ -24,6 +25,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from megarl import device
 from megarl.distributed.layout import ParallelLayout
 from megarl.engine.memory import MemoryPhases
 from megarl.models.architecture import Architecture
@@ -77,7 +79,7 @@ class RolloutPolicy:
             for memory in self.offload:
                 memory.offload(keep_params=memory is self.policy_memory)  # the sync reads them
         with timer("reshard"):
-            self.engine.wake_up(("weights",))
+            self._wake(("weights",))
             version, sync = self.weights_version(), None
             if version != self.engine_version:
                 self.engine_version = None  # until the sync succeeds
@@ -86,8 +88,15 @@ class RolloutPolicy:
         with timer("offload"):
             if self.policy_memory in self.offload:
                 self.policy_memory.offload()
-            self.engine.wake_up(("kv_cache",))
+            self._wake(("kv_cache",))
         return sync
+
+    def _wake(self, tags: tuple[str, ...]) -> None:
+        """Wake part of the engine into memory PyTorch no longer holds: vLLM sized its KV cache before
+        the first training step, whose freed activations stay in PyTorch's allocator cache until
+        released (with offload off, nothing else releases them)."""
+        device.release_cached_memory()
+        self.engine.wake_up(tags)
 
     def leave_rollout(self, timer: PhaseTimer, keep_weights: bool = False) -> None:
         """`keep_weights`: the engine keeps its weights while asleep (on GPU in host memory), so that

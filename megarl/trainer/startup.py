@@ -58,7 +58,7 @@ def parse_config(argv: Sequence[str], rl: bool) -> RunConfig:
     check_registered_names(config)
     if rl:
         check_estimator_needs(config)
-    require(["core", *(["vllm"] if config.rollout.backend == "vllm" else []),
+    require(["core", *(["vllm"] if rl and config.rollout.backend == "vllm" else []),  # SFT generates nothing
              *(["mlflow"] if "mlflow" in config.trainer.loggers else [])])
     require_hf_directory("model.path", config.model.path)
     if rl and config.teacher.path:

@@ -4,7 +4,9 @@ Runs the same config twice, offload off then on, three RL steps with a validatio
 (whose sync the second step reuses) and after the last, with the
 real `hf` rollout backend subclassed to record every phase call (create, sleep, wake with tags,
 weight update begin/end, generate) and, at each call, the bytes of device storage still held by
-the actor's parameters, the rest of the actor, the reference and the critic. Prints one REPORT
+the actor's parameters, the rest of the actor, the reference and the critic. A wake-up not preceded
+by a release of PyTorch's cached memory (`megarl.device.release_cached_memory`, wrapped here to note
+its calls) since the previous phase call is recorded under a name of its own. Prints one REPORT
 line (rank 0) with every rank's records, the metric values that differ between the runs and
 whether the final weights and optimizer states are bitwise equal.
 
@@ -18,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megarl import device
 from megarl.distributed import finish_process, init_layout
 from megarl.rollout import ROLLOUT_BACKENDS
 from megarl.rollout.hf_backend import HFRollout
@@ -27,6 +30,23 @@ from megarl.trainer.startup import Run, parse_config
 ENGINES = []  # the MegatronEngines of the trainer being built: actor, reference, critic
 EVENTS = []  # (phase call, resident bytes) of the trainer being run
 NOT_COMPARED = ("timing/", "throughput/", "sync/seconds")  # wall-clock times
+RELEASES = []  # calls of device.release_cached_memory since the last phase call
+
+
+def _noting_calls(release_cached_memory):
+    def release():
+        RELEASES.append(True)
+        release_cached_memory()
+
+    return release
+
+
+device.release_cached_memory = _noting_calls(device.release_cached_memory)
+
+
+def record(name: str) -> None:
+    EVENTS.append((name, resident()))
+    RELEASES.clear()
 
 
 def resident() -> list[int]:
@@ -40,27 +60,27 @@ class RecordingHFRollout(HFRollout):
     """The hf backend, recording each phase call and what the trainer holds when it comes."""
 
     def __init__(self, *args, **kwargs):
-        EVENTS.append(("create", resident()))
+        record("create")
         super().__init__(*args, **kwargs)
 
     def generate(self, prompts, sampling):
-        EVENTS.append(("generate", resident()))
+        record("generate")
         return super().generate(prompts, sampling)
 
     def begin_weight_update(self, step):
-        EVENTS.append(("begin_weight_update", resident()))
+        record("begin_weight_update")
         super().begin_weight_update(step)
 
     def end_weight_update(self):
-        EVENTS.append(("end_weight_update", resident()))
+        record("end_weight_update")
         super().end_weight_update()
 
     def sleep(self, keep_weights):
-        EVENTS.append(("sleep keeping weights" if keep_weights else "sleep", resident()))
+        record("sleep keeping weights" if keep_weights else "sleep")
         super().sleep(keep_weights)
 
     def wake_up(self, tags):
-        EVENTS.append(("wake_up " + "+".join(tags), resident()))
+        record("wake_up " + "+".join(tags) + ("" if RELEASES else " while PyTorch still caches freed memory"))
         super().wake_up(tags)
 
 

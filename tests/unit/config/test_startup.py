@@ -65,3 +65,17 @@ def test_split_placement_sizes_the_trainer_side_from_the_ranks_left(monkeypatch,
                      rl=True)
     with pytest.raises(ConfigError, match=r"'algorithm\.adv_estimator' = 'remax' .* trainer\.placement=split"):
         parse_config(["--config", "configs/tiny_cpu.yaml", model, *split, "algorithm.adv_estimator=remax"], rl=True)
+
+
+def test_start_up_requires_what_the_run_uses(monkeypatch, tiny_models):
+    """The GPU smoke kit's box has no vLLM or mlflow: SFT needs no rollout engine, a run logging to the
+    console alone needs no mlflow; an RL run on vLLM needs vLLM."""
+    from megarl.trainer import startup
+
+    required = []
+    monkeypatch.setattr(startup, "require", required.append)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    argv = ["--config", "configs/tiny_cpu.yaml", f"model.path={tiny_models['qwen2-tied']}", "rollout.backend=vllm"]
+    parse_config([*argv, "trainer.loggers=[console]"], rl=False)
+    parse_config([*argv, "trainer.loggers=[console,mlflow]"], rl=True)
+    assert required == [["core"], ["core", "vllm", "mlflow"]]
