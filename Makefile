@@ -7,7 +7,7 @@ OUT := outputs/quickstart
 TORCHRUN := $(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=2
 export OMP_NUM_THREADS := 1
 
-.PHONY: quickstart moe-quickstart opd-quickstart agent-quickstart test install docker-check clean
+.PHONY: quickstart moe-quickstart opd-quickstart agent-quickstart test install docker-check gpu-wheels clean
 
 # The main job on the embedded default: a tiny Qwen2 and its tokenizer made here, synthetic "a+b="
 # tasks, a short SFT warm start, then GRPO on 2 CPU processes (curves in $(OUT)/quickstart_grpo).
@@ -65,6 +65,11 @@ $(INSTALLED): setup.py
 # binary-only, and checks torch's CUDA against the base image: no Docker, no GPU, PyPI only (~1 min).
 docker-check: $(INSTALLED)
 	$(PYTHON) tools/docker_check.py
+
+# The wheels the GPU smoke kit (tools/gpu_smoke.sh) installs on an air-gapped GPU box that has torch but
+# not megatron-core or omegaconf: cp312 manylinux, megarl's pins, into .gpu-wheels/; fails over 40 MiB.
+gpu-wheels: $(INSTALLED)
+	$(PYTHON) tools/gpu_wheels.py
 
 clean:
 	rm -rf $(VENV) outputs

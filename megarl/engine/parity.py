@@ -32,6 +32,25 @@ def tokenize(model_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
     return right_pad(ids, tokenizer.pad_token_id or 0), right_pad([[True] * len(row) for row in ids], False, torch.bool)
 
 
+def _hf_outputs(hf_dir: str, value_model: bool, tokens_BT: torch.Tensor, dtype: torch.dtype,
+                on: torch.device) -> torch.Tensor:
+    """`transformers`' logits (values for value models) of `tokens_BT` in `dtype` on `on`, as fp32 on the CPU."""
+    hf_class = AutoModelForTokenClassification if value_model else AutoModelForCausalLM
+    model = hf_class.from_pretrained(hf_dir, dtype=dtype).to(on).eval()
+    with torch.no_grad():
+        return model(tokens_BT.to(on)).logits.float().cpu()
+
+
+def transformers_error(hf_dir: str, value_model: bool, dtype: torch.dtype) -> float:
+    """Largest |transformers in `dtype` on this rank's device - transformers in fp32 on the CPU|: the error
+    a framework's own kernels make in `dtype`, measured where the comparison runs, which a tolerance for
+    megatron in that dtype is a multiple of (kernels and rounding differ between devices and CPU makes)."""
+    tokens_BT, mask_BT = tokenize(hf_dir)
+    low = _hf_outputs(hf_dir, value_model, tokens_BT, dtype, device.compute_device())
+    reference = _hf_outputs(hf_dir, value_model, tokens_BT, torch.float32, torch.device("cpu"))
+    return (low - reference)[mask_BT].abs().max().item()
+
+
 def max_difference(model: torch.nn.Module, arch: Architecture, layout: ParallelLayout, hf_dir: str) -> float:
     """Largest |megatron - transformers(hf_dir)| over real tokens and the real vocabulary (values for
     value models); the same number on every rank."""
@@ -46,10 +65,7 @@ def max_difference(model: torch.nn.Module, arch: Architecture, layout: ParallelL
         if not arch.value_model:
             outputs = gather_vocab(outputs, layout)[..., : arch.vocab_size]
         if layout.holds_unique_stage_copy:
-            hf_class = AutoModelForTokenClassification if arch.value_model else AutoModelForCausalLM
-            reference = hf_class.from_pretrained(hf_dir, dtype=torch.float32).eval()
-            with torch.no_grad():
-                expected = reference(tokens_BT).logits
+            expected = _hf_outputs(hf_dir, arch.value_model, tokens_BT, torch.float32, torch.device("cpu"))
             difference[0] = (outputs.float().cpu() - expected)[mask_BT].abs().max()
     collectives.all_reduce(difference, op=dist.ReduceOp.MAX)
     return difference.item()

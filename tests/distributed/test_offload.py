@@ -44,16 +44,19 @@ def _phases(events):
     return [name for i, name in enumerate(names) if i == 0 or names[i - 1] != name]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_offload_keeps_training_bitwise_and_frees_the_device_during_rollout(tiny_models, tmp_path, layout):
+def offload_args(models: dict, tmp_path) -> list[str]:
+    """PPO (actor, reference, critic) for three steps on the tiny Qwen2, offload_checks' arguments."""
     train, test = make_arithmetic(32, 8, seed=0, out_dir=tmp_path / "data")
-    result = torchrun(2, SCRIPT, "--config", "configs/quickstart_ppo.yaml", f"model.path={tiny_models['qwen2-tied']}",
-                      f"data.train_files=[{train}]", f"data.val_files=[{test}]", f"trainer.output_dir={tmp_path}",
-                      f"trainer.checkpoint_dir={tmp_path / 'ckpt'}", "trainer.loggers=[]", "trainer.total_steps=3",
-                      "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2",
-                      "data.max_val_samples=4", "trainer.check_batches=true", "rollout.backend=recording-hf",
-                      f"reward.function={ROOT / 'tests/integration/user_reward.py'}:compute_score",
-                      *LAYOUTS[layout], timeout=600)
+    return ["--config", "configs/quickstart_ppo.yaml", f"model.path={models['qwen2-tied']}",
+            f"data.train_files=[{train}]", f"data.val_files=[{test}]", f"trainer.output_dir={tmp_path}",
+            f"trainer.checkpoint_dir={tmp_path / 'ckpt'}", "trainer.loggers=[]", "trainer.total_steps=3",
+            "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2",
+            "data.max_val_samples=4", "trainer.check_batches=true", "rollout.backend=recording-hf",
+            f"reward.function={ROOT / 'tests/integration/user_reward.py'}:compute_score"]
+
+
+def assert_offload_report(result) -> None:
+    """offload_checks' REPORT: bitwise the same training, nothing held while the engine works, phases in order."""
     assert_succeeded(result)
     report = json.loads(next(l for l in result.stdout.splitlines() if l.startswith("REPORT ")).removeprefix("REPORT "))
     assert report["compared"] > 100 and report["differing"] == []
@@ -69,3 +72,8 @@ def test_offload_keeps_training_bitwise_and_frees_the_device_during_rollout(tiny
             assert all(nbytes > 0 for nbytes in held_off)  # without offload, everything stays
             during_sync = name in ("wake_up weights", "begin_weight_update", "end_weight_update")
             assert held_on == ([held_off[0], 0, 0, 0] if during_sync else [0, 0, 0, 0]), (name, held_on)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_offload_keeps_training_bitwise_and_frees_the_device_during_rollout(tiny_models, tmp_path, layout):
+    assert_offload_report(torchrun(2, SCRIPT, *offload_args(tiny_models, tmp_path), *LAYOUTS[layout], timeout=600))

@@ -10,9 +10,14 @@ import json
 import pytest
 import torch
 
+from megarl import device
 from tests.conftest import ROOT, assert_succeeded, torchrun
 
-pytestmark = pytest.mark.gpu
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(device.transformer_engine_unavailable() is not None,
+                       reason="Transformer Engine's PyTorch extension does not import"),
+]
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -1,8 +1,8 @@
 """The Transformer Engine layer spec on GPU: same logits as `transformers` (run where CUDA is present).
 
 TE runs fp32 GEMMs as TF32, so an fp32 run cannot meet fp32's 1e-4; the check runs in bf16 against
-`transformers` in fp32. bf16 logits of the tiny models differ by 1.7e-2 to 4.3e-2 on CPU (local layers,
-measured); TE's fused bf16 kernels round differently, hence a 1e-1 bound (README, "Parity tolerances")."""
+`transformers` in fp32, within 4x the error `transformers` itself makes in bf16 on the same GPU (measured
+by compare_logits for each model: bf16 rounding differs between kernels and devices)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,14 @@ import re
 import pytest
 import torch
 
+from megarl import device
 from tests.conftest import ROOT, TINY_MODELS, assert_succeeded, torchrun
 
-pytestmark = pytest.mark.gpu
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(device.transformer_engine_unavailable() is not None,
+                       reason="Transformer Engine's PyTorch extension does not import"),
+]
 
 
 def assert_te_logits_match(models: dict, nproc: int, *layout: object) -> None:
@@ -21,7 +26,7 @@ def assert_te_logits_match(models: dict, nproc: int, *layout: object) -> None:
     if torch.cuda.device_count() < nproc:
         pytest.skip(f"needs {nproc} GPUs")
     result = torchrun(nproc, ROOT / "checkpoints_tools/compare_logits.py", "--hf", *models.values(), *layout,
-                      "--layer-spec", "transformer_engine", "--dtype", "bfloat16", "--tolerance", "1e-1")
+                      "--layer-spec", "transformer_engine", "--dtype", "bfloat16", "--tolerance", "4x")
     assert_succeeded(result)
     assert len(re.findall(r"^OK ", result.stdout, re.MULTILINE)) == len(models)
 

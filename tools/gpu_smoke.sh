@@ -1,0 +1,154 @@
+#!/usr/bin/env bash
+# The GPU smoke kit: megarl on the box a user first tries it on, and the one our own GPU checks run on.
+#
+#   make gpu-wheels                         # here, with PyPI: megatron-core and omegaconf into .gpu-wheels/
+#   tools/gpu_smoke.sh [--logs DIR]         # there: installs them, runs every step, prints one table
+#   tools/gpu_smoke.sh --dry-run            # anywhere: every step found and invoked, no GPU needed or tested
+#
+# The box: one GPU (H100 80GB or H200), Python 3.12, torch 2.11 with CUDA, transformers, tokenizers, pyarrow,
+# Triton and pytest; no megatron-core, vLLM or Transformer Engine; nothing can be downloaded. So the wheels
+# travel with the checkout (installed with --no-deps into a temporary target), rollouts use the `hf` engine,
+# and every job runs one rank (NCCL takes one rank per GPU). The steps share a deadline of DEADLINE_S
+# seconds (default 470, under 8 minutes); a step's log is in the logs folder (default: a temporary one).
+# GRPO_STEPS (default 50) sets the length of the GRPO run.
+#
+# The dry run proves the plumbing: each pytest step collects its tests, each program answers --help
+# (which imports all it needs). It runs no step's work and claims no GPU result.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+ROOT=$PWD
+PYTHON=${PYTHON:-python3}
+WHEELS=${WHEELS:-$ROOT/.gpu-wheels}
+DEADLINE_S=${DEADLINE_S:-470}
+GRPO_STEPS=${GRPO_STEPS:-50}
+DRY_RUN=0
+LOGS=""
+while (($#)); do
+    case $1 in
+        --dry-run) DRY_RUN=1 ;;
+        --logs) LOGS=$2; shift ;;
+        *) echo "usage: tools/gpu_smoke.sh [--dry-run] [--logs DIR]" >&2; exit 2 ;;
+    esac
+    shift
+done
+LOGS=${LOGS:-$(mktemp -d)}
+WORK=$(mktemp -d)  # models, data and runs made on the spot
+mkdir -p "$LOGS"
+export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+TORCHRUN=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=1)
+ROWS=()
+FAILED=0
+
+# megatron-core and omegaconf: already there (a full install), or from the wheels brought along.
+install_wheels() {
+    if "$PYTHON" -c "import megatron.core, omegaconf" 2>/dev/null; then
+        echo "megatron-core and omegaconf are installed: no wheels needed"
+        return 0
+    fi
+    shopt -s nullglob
+    local site wheels=("$WHEELS"/*.whl)
+    shopt -u nullglob
+    if ((${#wheels[@]} == 0)); then
+        echo "no wheels in $WHEELS: run 'make gpu-wheels' where PyPI is reachable"
+        return 1
+    fi
+    printf '  %s\n' "${wheels[@]##*/}"
+    site=$(mktemp -d)
+    "$PYTHON" -m pip install --quiet --no-index --no-deps --no-compile --target "$site" "${wheels[@]}" || return 1
+    export PYTHONPATH=$ROOT:$site
+}
+
+# step NAME KIND COMMAND...: KIND is `pytest` (COMMAND is its arguments: collected in a dry run),
+# `program` (a Python program and its arguments, under torchrun when COMMAND starts with `torchrun`:
+# asked for --help in a dry run) or `shell` (run as it is in both modes, for what needs no GPU).
+step() {
+    local name=$1 kind=$2
+    shift 2
+    local log left=$((DEADLINE_S - SECONDS)) command=()
+    log="$LOGS/$(printf '%02d' "${#ROWS[@]}")_${name//[^A-Za-z0-9]/_}.log"
+    if ((left <= 0)); then
+        ROWS+=("$name|SKIP|0|past the kit's deadline")
+        return
+    fi
+    case $kind in
+        pytest) command=("$PYTHON" -m pytest -p no:cacheprovider -q "$@")
+                ((DRY_RUN)) && command+=(--collect-only) ;;
+        program) if [[ $1 == torchrun ]]; then shift; command=("${TORCHRUN[@]}" "$@"); else command=("$PYTHON" "$@"); fi
+                 if ((DRY_RUN)); then
+                     [[ $1 == -m ]] && command=("$PYTHON" -m "$2" --help) || command=("$PYTHON" "$1" --help)
+                 fi ;;
+        shell) command=("$@") ;;
+    esac
+    echo "== $name: ${command[*]}" >"$log"
+    local start=$SECONDS status
+    timeout --kill-after=10 "$left" "${command[@]}" >>"$log" 2>&1
+    status=$?
+    local seconds=$((SECONDS - start)) verdict=PASS detail
+    detail=$(summary "$kind" "$log")
+    if ((status != 0)); then
+        verdict=FAIL
+        FAILED=1
+        ((status == 124)) && detail="timed out; $detail"
+        echo "---- $name failed (exit $status); the end of $log:"
+        tail -n 25 "$log"
+    elif [[ $kind == pytest ]] && ! ((DRY_RUN)) && grep -qE '^[0-9]+ skipped' <(tail -n 1 "$log"); then
+        verdict=SKIP
+    fi
+    ROWS+=("$name|$verdict|$seconds|$detail")
+}
+
+# One line of what a step's log says: pytest's closing counts, the OK/FAIL lines of compare_logits, or a
+# run's first and last validation score, last training loss and step time and rollout/trainer mismatch.
+summary() {
+    local kind=$1 log=$2
+    if [[ $kind == pytest ]]; then
+        grep -E '[0-9]+ (passed|failed|skipped|error|tests? collected)' "$log" | tail -n 1 | tr -d '='
+    elif grep -q "max |megatron - transformers|" "$log"; then
+        grep -oE '^(OK|FAIL) [^ ]+|= [0-9.e+-]+ \(tolerance [^)]*\)' "$log" | paste -sd' ' | sed -E 's#[^ ]*/##g'
+    else
+        local scores
+        scores=$(grep -oE 'val/score/mean=[0-9.e+-]+' "$log" | sed -n '1p;$p' | cut -d= -f2 | paste -sd' ')
+        echo "${scores:+val score ${scores/ / -> }  }$(for key in sft/nll timing/step mismatch/logprob_abs_diff_max; do
+            grep -oE "$key=[0-9.e+-]+" "$log" | tail -n 1; done | paste -sd' ')"
+    fi
+}
+
+echo "megarl GPU smoke kit ($( ((DRY_RUN)) && echo dry run || echo on the GPU)); logs in $LOGS"
+install_wheels || { echo "gpu_smoke: the wheels did not install"; exit 1; }
+export PYTHONPATH=${PYTHONPATH:-$ROOT}
+MODELS=$WORK/models DATA=$WORK/data
+
+step "environment" program -m megarl.doctor
+step "every megarl module imports" shell "$PYTHON" tools/import_every_module.py
+step "tiny models" program checkpoints_tools/make_tiny_model.py --family qwen2 --out "$MODELS/qwen2"
+step "tiny models (qwen3, value)" shell bash -c "
+    $PYTHON checkpoints_tools/make_tiny_model.py --family qwen3 --no-tied --out $MODELS/qwen3 &&
+    $PYTHON checkpoints_tools/make_tiny_model.py --family qwen2 --value-model --out $MODELS/value"
+for dtype in float32 bfloat16; do
+    # fp32 meets the parity rule's 1e-4; bf16 is held to 4x transformers' own bf16 error, measured here.
+    tolerance=$([[ $dtype == float32 ]] && echo 1e-4 || echo 4x)
+    step "compare_logits $dtype" program torchrun checkpoints_tools/compare_logits.py \
+        --hf "$MODELS/qwen2" "$MODELS/qwen3" "$MODELS/value" --dtype "$dtype" --tolerance "$tolerance"
+done
+step "arithmetic data" program -m megarl.data.synthetic --task arithmetic --out-dir "$DATA" \
+    --num-train 20000 --num-test 500 --seed 0
+step "SFT warm start (bf16)" program torchrun launchers/train_sft.py --config configs/quickstart_sft.yaml \
+    "model.path=$MODELS/qwen2" "data.train_files=[$DATA/train.parquet]" "trainer.output_dir=$WORK/runs" \
+    model.dtype=bfloat16 'trainer.loggers=[console]'
+step "GRPO $GRPO_STEPS steps (hf engine, bf16)" program torchrun launchers/train_ppo.py --config configs/quickstart.yaml \
+    "model.path=$WORK/runs/quickstart_sft/hf" "data.train_files=[$DATA/train.parquet]" \
+    "data.val_files=[$DATA/test.parquet]" "trainer.output_dir=$WORK/runs" "trainer.total_steps=$GRPO_STEPS" \
+    trainer.test_freq=0 trainer.log_freq=10 data.max_val_samples=200 rollout.backend=hf model.dtype=bfloat16 'trainer.loggers=[console]'
+for test_file in tests/gpu/test_*.py; do
+    step "${test_file#tests/gpu/}" pytest -m gpu "$test_file"
+done
+
+echo
+printf '%-44s %-5s %6s  %s\n' step result secs detail
+for row in "${ROWS[@]}"; do
+    IFS='|' read -r name verdict seconds detail <<<"$row"
+    printf '%-44s %-5s %6s  %s\n' "$name" "$verdict" "$seconds" "$detail"
+done
+echo "total ${SECONDS}s; logs in $LOGS"
+rm -rf "$WORK"
+exit $FAILED
