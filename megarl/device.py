@@ -130,10 +130,12 @@ def unavailable_gpu_features() -> dict[str, str]:
     saying so. None without CUDA, where they are off by design."""
     if not cuda():
         return {}
+    apex = nvidia_apex_unavailable()
     reasons = {
         "transformer_engine": transformer_engine_unavailable(),
-        "apex": nvidia_apex_unavailable(),
-        "fused_weight_gradient_mlp_cuda": gradient_fusion_extension_unavailable(),
+        "apex": apex,
+        # Apex's extension is named apart only where Apex is there without it (a plain pip install of Apex).
+        "fused_weight_gradient_mlp_cuda": None if apex else gradient_fusion_extension_unavailable(),
         "triton": triton_unavailable(),
     }
     return {name: why for name, why in reasons.items() if why is not None}

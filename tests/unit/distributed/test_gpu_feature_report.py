@@ -16,10 +16,10 @@ FEATURES_OFF = {"transformer_engine": "ImportError: libcudnn.so.9: cannot open s
 
 @pytest.fixture
 def features_off(monkeypatch):
-    """Transformer Engine fails to import and Apex is absent; Apex's extension and Triton work."""
+    """Transformer Engine fails to import, Apex is absent (and so its extension: not named apart), Triton works."""
     monkeypatch.setattr(device, "transformer_engine_unavailable", lambda: FEATURES_OFF["transformer_engine"])
     monkeypatch.setattr(device, "nvidia_apex_unavailable", lambda: FEATURES_OFF["apex"])
-    monkeypatch.setattr(device, "gradient_fusion_extension_unavailable", lambda: None)
+    monkeypatch.setattr(device, "gradient_fusion_extension_unavailable", lambda: "not installed")
     monkeypatch.setattr(device, "triton_unavailable", lambda: None)
 
 
@@ -51,3 +51,12 @@ def test_cuda_machine_with_every_feature_reports_nothing(monkeypatch, caplog):
                   "triton_unavailable"):
         monkeypatch.setattr(device, probe, lambda: None)
     assert _reported(caplog) == []
+
+
+def test_apex_without_its_gradient_fusion_extension_is_named(monkeypatch, caplog):
+    monkeypatch.setattr(device, "cuda", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    for probe in ("transformer_engine_unavailable", "nvidia_apex_unavailable", "triton_unavailable"):
+        monkeypatch.setattr(device, probe, lambda: None)
+    monkeypatch.setattr(device, "gradient_fusion_extension_unavailable", lambda: "ModuleNotFoundError: no module")
+    assert _reported(caplog) == ["GPU features off: fused_weight_gradient_mlp_cuda (ModuleNotFoundError: no module)"]
