@@ -65,8 +65,8 @@ class Trajectory:
     num_tool_errors: int = 0
     truncated: bool = False
     """Ended by the token budget."""
-    ended_by_environment: bool = False
-    """The environment said done (not max_turns nor the budget)."""
+    ended_by: str = ""
+    """The environment that said done, by class name; "" when max_turns or the budget ended it."""
     reward: float | None = None
     """The environment's reward when it ended the trajectory; None if it gave none."""
 
@@ -128,7 +128,7 @@ def _observe(trajectory: Trajectory, turn_ids: list[int], finish_reason: str, en
     trajectory.num_tool_calls += int(observation.info.get("tool_calls", 0))
     trajectory.num_tool_errors += int(observation.info.get("tool_errors", 0))
     if observation.done:
-        trajectory.ended_by_environment, trajectory.reward = True, observation.reward
+        trajectory.ended_by, trajectory.reward = type(environment).__name__, observation.reward
         return None
     ids = renderer.observation(observation.messages, turn_ids)
     if len(trajectory.response_ids) + len(ids) >= max_response_length:  # no room left for the model

@@ -53,7 +53,8 @@ class RewardResult:
 
 
 class RewardFunctionError(ValueError):
-    """A reward function that cannot score anything (its every call fails); the message says why."""
+    """Rewards that cannot be had: a reward function that scores nothing (its every call fails), an environment
+    that ends a trajectory without the reward the run takes from it. The message says why, in one line."""
 
 
 class _Timeout(Exception):

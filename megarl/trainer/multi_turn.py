@@ -28,7 +28,7 @@ from megarl.agent.trajectories import Trajectory, TurnLimits, run_turns
 from megarl.config.schema import RolloutConfig
 from megarl.data.dataset import Prompt
 from megarl.distributed import collectives
-from megarl.rewards.manager import RewardManager, RewardResult, ScoringItem
+from megarl.rewards.manager import RewardFunctionError, RewardManager, RewardResult, ScoringItem
 from megarl.rollout.base import RolloutEngine, RolloutOutput, Sampling
 from megarl.trainer.rollouts import Rollouts, share_scores, unfilled_rollouts
 
@@ -124,16 +124,18 @@ def final_rewards(trajectories: list[Trajectory], prompts: list[Prompt], rewards
     """Each trajectory's reward from `source` (rollout.multi_turn.reward): "environment", the reward its
     environment gave when it ended it (0 for one cut by max_turns or the token budget, which no
     environment judged); "function", the reward function's score of its last assistant turn; "sum", both
-    added. ValueError when an environment ended a trajectory without the reward `source` takes from it."""
+    added. RewardFunctionError (the launcher's one line) when an environment ended a trajectory without the
+    reward `source` takes from it."""
     if source == "function":
         return _function_scores(trajectories, prompts, rewards)
-    given = [(t.reward if t.ended_by_environment else 0.0) for t in trajectories]
+    given = [(t.reward if t.ended_by else 0.0) for t in trajectories]
     missing = next((t for t, reward in zip(trajectories, given) if reward is None), None)
     if missing is not None:
-        raise ValueError(f"rollout.multi_turn.reward={source!r} takes the environment's reward, but the environment "
-                         f"of prompt {prompts[missing.index].index} (data_source {prompts[missing.index].data_source!r}) "
-                         "ended its trajectory with none; expected a float reward from its step(), or "
-                         "rollout.multi_turn.reward=function")
+        prompt = prompts[missing.index]
+        raise RewardFunctionError(
+            f"rollout.multi_turn.reward={source!r} takes the environment's reward, but environment {missing.ended_by} "
+            f"ended the trajectory of prompt {prompt.index} (data_source {prompt.data_source!r}) at turn "
+            f"{missing.num_turns} with none; expected a float reward from its step(), or rollout.multi_turn.reward=function")
     if source == "environment":
         return RewardResult([float(reward) for reward in given])
     result = _function_scores(trajectories, prompts, rewards)

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from megarl.agent.rendering import ChatRenderer
 from megarl.agent.trajectories import Trajectory, TurnLimits, run_turns
 from megarl.data.dataset import Prompt
-from megarl.rewards.manager import RewardManager
+from megarl.rewards.manager import RewardFunctionError, RewardManager
 from megarl.rollout.base import Sampling
 from megarl.rollout.hf_backend import HFRollout
 from megarl.trainer.multi_turn import final_rewards
@@ -136,9 +136,10 @@ def test_the_final_reward_comes_from_the_source_rollout_multi_turn_reward_names(
         assert final_rewards(trajectories, prompts, rewards, source).scores == pytest.approx(scores, abs=1e-12), source
     # An environment that ends a trajectory without a reward cannot give one to take.
     silent = _run(engine, renderer, range(4), sampling, 4, reward=None)
-    assert any(t.ended_by_environment for t in silent)
+    assert any(t.ended_by for t in silent)
     for source in ("environment", "sum"):
-        with pytest.raises(ValueError, match=r"rollout.multi_turn.reward='%s'.*prompt 10\d .*with none" % source):
+        pattern = r"rollout.multi_turn.reward='%s'.* environment \w+ ended .* prompt 10\d .* at turn 2 with none" % source
+        with pytest.raises(RewardFunctionError, match=pattern):
             final_rewards(silent, prompts, rewards, source)
     assert final_rewards(silent, prompts, rewards, "function").scores == pytest.approx(
         [len(t.final_text) / 10 for t in silent])
