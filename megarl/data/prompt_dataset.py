@@ -10,10 +10,12 @@ that file. The operating system shares its pages between the ranks and reads onl
 rank's own memory holds the per-row index of kept prompts (8 bytes a row) and nothing else per row.
 
 The cache's name hashes the file (path, size, modification time), the tokenizer (its serialized
-model, chat template and leading special tokens), whether the template is applied and the tools it
-offers: a change in any of them builds a new one. The ranks of a node take turns on a file lock: one builds, the others
-map its result. A bad row fails the build, so each rank in turn fails with the same one-line error
-naming the file and row.
+model, chat template and the special tokens it surrounds a text with), whether the template is applied
+and the tools it offers: a change in any of them builds a new one. The ranks of a node take turns on a
+file lock: one builds, the others map its result. A bad row fails the build, so each rank in turn fails
+with the same one-line error naming the file and row. Opening a cache marks it used (its modification
+time); before each build, the caches no job opened for a week are deleted, so the directory holds what
+recent jobs use, not every tokenization ever made.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ CACHE_FORMAT = 1
 
 DEFAULT_CACHE_DIR = Path(tempfile.gettempdir()) / f"megarl-prompt-cache-{os.getuid()}"
 """Node-local and per user: the ranks of a node share one cache, each node builds its own."""
+
+UNUSED_CACHE_SECONDS = 7 * 24 * 3600
+"""A cache no job opened for a week is deleted when the next one is built."""
 
 
 class PromptDataset:
@@ -116,14 +121,38 @@ def _mapped_tokens(file: str, tokenizer, apply_chat_template: bool, tools: list[
     parts = (CACHE_FORMAT, str(Path(file).resolve()), stat.st_size, stat.st_mtime_ns, tokenization)
     path = cache_dir / f"{Path(file).stem}-{hashlib.sha256(repr(parts).encode()).hexdigest()[:24]}.arrow"
     built = False
-    if not path.is_file():
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        with open(path.with_suffix(".lock"), "w") as lock:
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)  # held while mapping: a pruner (holding it exclusively) waits
+        if not path.is_file():
             fcntl.flock(lock, fcntl.LOCK_EX)  # one rank of the node builds, the others wait and map
             if not path.is_file():
+                remove_unused_caches(cache_dir)
                 _build(file, tokenizer, apply_chat_template, tools, path)
                 built = True
-    return pa.ipc.open_file(pa.memory_map(str(path))).read_all(), built
+        os.utime(path)  # its modification time is its last use
+        return pa.ipc.open_file(pa.memory_map(str(path))).read_all(), built
+
+
+def remove_unused_caches(cache_dir: Path, max_age_seconds: float = UNUSED_CACHE_SECONDS) -> list[Path]:
+    """Delete the caches of `cache_dir` no job has opened for `max_age_seconds` (and their locks), skipping
+    any a job is opening now (its lock is held); returns those deleted. Run before each build: a new cache
+    is made when a file or tokenizer changed, which is what leaves old ones unused."""
+    removed = []
+    for cache in cache_dir.glob("*.arrow"):
+        with open(cache.with_suffix(".lock"), "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # being opened or built
+            try:
+                if time.time() - cache.stat().st_mtime > max_age_seconds:
+                    cache.unlink()
+                    cache.with_suffix(".lock").unlink()
+                    removed.append(cache)
+            except FileNotFoundError:  # removed by another job's pruning meanwhile
+                pass
+    return removed
 
 
 def _tokenizer_fingerprint(tokenizer, apply_chat_template: bool, tools: list[dict] | None) -> str:

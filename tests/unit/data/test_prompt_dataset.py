@@ -3,9 +3,11 @@ built once and follows its file, a rank's memory does not grow with the rows, ba
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing
 import os
 import sys
+import time
 import tracemalloc
 from pathlib import Path
 
@@ -13,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from megarl.data import PromptDataset, write_rows
+from megarl.data import PromptDataset, prompt_dataset, write_rows
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "checkpoints_tools"))
 import make_tiny_model  # noqa: E402
@@ -120,3 +122,21 @@ def test_a_bad_row_fails_naming_file_and_row_and_leaves_no_cache(tmp_path, token
     assert not os.path.exists(tmp_path / "nope.parquet")
     with pytest.raises(ValueError, match="nope.parquet: data file does not exist"):  # before any tokenizing
         PromptDataset([good, str(tmp_path / "nope.parquet")], tokenizer, 64)
+
+
+def test_caches_no_job_opened_for_a_week_are_deleted_at_the_next_build(tmp_path, tokenizer):
+    cache_dir, week = tmp_path / "prompt-cache", prompt_dataset.UNUSED_CACHE_SECONDS
+    files = {name: write_rows([_row(f"{i}+2=")], tmp_path / f"{name}.parquet")
+             for i, name in enumerate(("stale", "reopened", "busy", "new"))}
+    for name in ("stale", "reopened", "busy"):
+        PromptDataset([files[name]], tokenizer, 64)
+    eight_days_ago = time.time() - week - 24 * 3600
+    for cache in cache_dir.glob("*.arrow"):
+        os.utime(cache, (eight_days_ago, eight_days_ago))
+    assert PromptDataset([files["reopened"]], tokenizer, 64).num_built == 0  # opening it marks it used
+    busy = next(cache_dir.glob("busy-*.arrow"))
+    with open(busy.with_suffix(".lock")) as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)  # a job is opening it
+        PromptDataset([files["new"]], tokenizer, 64)
+    assert sorted(cache.name.split("-")[0] for cache in cache_dir.glob("*.arrow")) == ["busy", "new", "reopened"]
+    assert sorted(lock.name.split("-")[0] for lock in cache_dir.glob("*.lock")) == ["busy", "new", "reopened"]
