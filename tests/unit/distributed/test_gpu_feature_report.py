@@ -52,11 +52,3 @@ def test_cuda_machine_with_every_feature_reports_nothing(monkeypatch, caplog):
         monkeypatch.setattr(device, probe, lambda: None)
     assert _reported(caplog) == []
 
-
-def test_apex_without_its_gradient_fusion_extension_is_named(monkeypatch, caplog):
-    monkeypatch.setattr(device, "cuda", lambda: True)
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    for probe in ("transformer_engine_unavailable", "nvidia_apex_unavailable", "triton_unavailable"):
-        monkeypatch.setattr(device, probe, lambda: None)
-    monkeypatch.setattr(device, "gradient_fusion_extension_unavailable", lambda: "ModuleNotFoundError: no module")
-    assert _reported(caplog) == ["GPU features off: fused_weight_gradient_mlp_cuda (ModuleNotFoundError: no module)"]
