@@ -19,12 +19,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from docker_check import PLATFORMS  # the same platform tags, for the same Python 3.12 on x86-64 Linux
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 BEYOND_THE_IMAGE = ("megatron-core", "omegaconf")
 PYTHON_VERSION = "3.12"
-PLATFORMS = [f"manylinux_2_{minor}_x86_64" for minor in range(17, 40)] + ["manylinux2014_x86_64"]
 LIMIT_BYTES = 40 * 2**20
 
 

@@ -20,7 +20,6 @@ beside bf16 parameters once made the distributed optimizer save each one's Adam 
 from __future__ import annotations
 
 import io
-import json
 import re
 import shutil
 from dataclasses import dataclass

@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from megarl.data.synthetic import make_arithmetic
 from tests.conftest import ROOT

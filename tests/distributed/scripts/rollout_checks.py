@@ -13,25 +13,21 @@ syncs them into a vLLM engine and an `hf` engine on every rank, and reports (ran
 import argparse
 import json
 import logging
-import os
 from collections import Counter
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 from vllm.model_executor.model_loader.reload import inplace, layerwise
 
-from megarl.config.schema import EngineConfig, ModelConfig, OptimizerConfig
 from megarl.distributed import finish_process, init_layout
-from megarl.engine.batch import SequenceBatch
-from megarl.engine.megatron_engine import MegatronEngine
 from megarl.models.hf_interop import export_hf
 from megarl.resharding.executor import WeightSync
 from megarl.rollout import vllm_direct_load
 from megarl.rollout.base import Sampling
 from megarl.rollout.hf_backend import HFRollout, checkpoint_tensor
 from megarl.rollout.vllm_backend import VLLMRollout
+from trained_actor import PROMPTS, generator, make_actor, make_batch, read_safetensors, train_step
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--hf", required=True)
@@ -46,26 +42,7 @@ args = parser.parse_args()
 layout = init_layout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
 rank = dist.get_rank()
 report = {}
-actor = MegatronEngine(layout, ModelConfig(path=args.hf), EngineConfig(micro_batch_size_per_rank=4,
-                       optim=OptimizerConfig(lr=3e-3)), total_optimizer_steps=4)
-generator = torch.Generator().manual_seed(1)
-PROMPTS = [torch.randint(5, 100, (n,), generator=generator).tolist() for n in (5, 9, 3, 7)]
-
-
-def nll(outputs, micro_batch, normalizer):
-    mask = micro_batch.response_mask_BR.to(outputs["logprobs"].device)
-    return -(outputs["logprobs"] * mask).sum() / normalizer.num_tokens, {}
-
-
-def make_batch(responses):
-    tokens = [p + r for p, r in zip(PROMPTS, responses)]
-    width = max(map(len, tokens))
-    return SequenceBatch(torch.tensor([t + [0] * (width - len(t)) for t in tokens]),
-                         torch.tensor([len(p) for p in PROMPTS]), torch.tensor([len(r) for r in responses]))
-
-
-def train_step(responses):
-    return actor.train_mini_batch(make_batch(responses), nll)
+actor = make_actor(layout, args.hf)
 
 
 class ReloadCounter(logging.Handler):
@@ -155,7 +132,7 @@ def count_bucket_allocations(sync) -> list[int]:
     return counts
 
 
-train_step([[7, 8, 9, 10]] * 4)
+train_step(actor, [[7, 8, 9, 10]] * 4)
 vllm = VLLMRollout(args.hf, "float32", args.engine_tp, max_model_len=128, kv_cache_bytes=32 << 20,
                    gpu_memory_utilization=0.3, seed=0)
 reference = HFRollout(args.hf, "float32")
@@ -175,10 +152,7 @@ hf_sync.sync(step=1)
 export_hf(actor.module, actor.arch, layout, args.out, args.hf)
 
 # Bit-identity: everything the `hf` engine holds, and vLLM's tensors that CPU kernels do not repack.
-exported = {}
-for file in sorted(os.listdir(args.out)):
-    if file.endswith(".safetensors"):
-        exported.update(load_file(os.path.join(args.out, file)))
+exported = read_safetensors(args.out)
 hf_state = reference.model.state_dict()
 report["hf_engine_bit_identical"] = all(torch.equal(checkpoint_tensor(hf_state, n), t) for n, t in exported.items())
 
@@ -258,7 +232,7 @@ report["bytes_received"], report["lower_bound"] = stats.bytes_received, stats.lo
 # The sync is one load (direct, or vLLM's reload): each layer is processed once, and no layer warns it
 # got no weights. Or, where the rank holds every slice and the first sync left the engine plain, no
 # load at all: the slices are copied into the engine's tensors.
-train_step(hf_out.response_ids)
+train_step(actor, hf_out.response_ids)
 with ReloadCounter(vllm.llm.collective_rpc(lambda worker: worker.model_runner.model)[0]) as counter:
     vllm_sync.sync(step=2)
 report["buckets"], report["direct_load"] = len(vllm_sync.buckets), vllm.direct_loader is not None

@@ -14,20 +14,21 @@ Only the `hf` half of tests/distributed/scripts/rollout_checks.py: vLLM is not i
 import argparse
 import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 
 from megarl import device
-from megarl.config.schema import EngineConfig, ModelConfig, OptimizerConfig
 from megarl.distributed import collectives, finish_process, init_layout
-from megarl.engine.batch import SequenceBatch
-from megarl.engine.megatron_engine import MegatronEngine
 from megarl.models.hf_interop import export_hf
 from megarl.resharding.executor import WeightSync
 from megarl.rollout.base import Sampling
 from megarl.rollout.hf_backend import HFRollout, checkpoint_tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "distributed/scripts"))
+from trained_actor import PROMPTS, make_actor, make_batch, read_safetensors, train_step  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--hf", required=True)
@@ -54,30 +55,7 @@ collectives.all_reduce(bookkeeping)
 report["megarl_all_reduce"] = bookkeeping.tolist()
 
 # 2. Weight sync into the `hf` engine.
-actor = MegatronEngine(layout, ModelConfig(path=args.hf), EngineConfig(micro_batch_size_per_rank=4,
-                       optim=OptimizerConfig(lr=3e-3)), total_optimizer_steps=4)
-generator = torch.Generator().manual_seed(1)
-PROMPTS = [torch.randint(5, 100, (n,), generator=generator).tolist() for n in (5, 9, 3, 7)]
-
-
-def nll(outputs, micro_batch, normalizer):
-    mask = micro_batch.response_mask_BR.to(outputs["logprobs"].device)
-    return -(outputs["logprobs"] * mask).sum() / normalizer.num_tokens, {}
-
-
-def make_batch(responses):
-    tokens = [p + r for p, r in zip(PROMPTS, responses)]
-    width = max(map(len, tokens))
-    return SequenceBatch(torch.tensor([t + [0] * (width - len(t)) for t in tokens]),
-                         torch.tensor([len(p) for p in PROMPTS]), torch.tensor([len(r) for r in responses]))
-
-
-def read_safetensors(directory: str) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for file in sorted(os.listdir(directory)):
-        if file.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(directory, file)))
-    return tensors
+actor = make_actor(layout, args.hf)
 
 
 def engine_equals_export(out_dir: str) -> bool:
@@ -88,7 +66,7 @@ def engine_equals_export(out_dir: str) -> bool:
                                      for name, tensor in exported.items())
 
 
-actor.train_mini_batch(make_batch([[7, 8, 9, 10]] * 4), nll)  # the weights now differ from the checkpoint
+train_step(actor, [[7, 8, 9, 10]] * 4)  # the weights now differ from the checkpoint
 engine = HFRollout(args.hf, "float32")
 sync = WeightSync(actor.module, actor.arch, layout, engine, 1, bucket_bytes=1 << 18)
 loads = []  # engine.load_weights calls, per sync
@@ -116,7 +94,7 @@ report["places_are_engine_params"] = len(places) > 0 and all(
 
 # A second step, then a sync (the copy again), then the engine's greedy tokens scored by the trainer.
 greedy = Sampling(temperature=0.0, max_tokens=12)
-actor.train_mini_batch(make_batch(engine.generate(PROMPTS, greedy).response_ids), nll)
+train_step(actor, engine.generate(PROMPTS, greedy).response_ids)
 loads.append(0)
 sync.sync(step=3)
 report["loads_per_sync"] = loads
