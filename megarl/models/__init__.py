@@ -1,1 +1,2 @@
-"""megatron-core GPT models from HuggingFace configs: architectures, layer specs, value heads, HF <-> megatron state dicts."""
+"""megatron-core GPT models from HuggingFace configs: architectures, layer specs, value heads, and the
+HF <-> megatron state-dict adapters."""
