@@ -4,7 +4,7 @@ Each call gets a fresh interpreter (`sandbox_child.py`, which confines itself be
 in a new scratch directory that is deleted afterwards, with a wall-clock timeout that kills its whole
 process group, and an empty environment. Output goes to files in the scratch directory, so the file-size limit bounds it and
 the parent reads only its head. What this does and does not protect against is
-in the README's "Sandbox" section.
+in docs/running.md, "Sandbox".
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ in this order, before the untrusted code runs:
    changing resource limits, loading ctypes, and writing, creating or removing files outside SCRATCH.
 
 The audit hook is what holds where namespaces are refused (e.g. a container without user namespaces);
-it is a guard against accidents and naive attacks, not a security boundary (see README "Sandbox").
+it is a guard against accidents and naive attacks, not a security boundary (see docs/running.md, "Sandbox").
 """
 
 import json

@@ -307,7 +307,7 @@ class DataConfig:
 
 @dataclass
 class SandboxConfig:
-    """Limits of the child process that runs the model's Python code (README "Sandbox")."""
+    """Limits of the child process that runs the model's Python code (docs/running.md, "Sandbox")."""
 
     cpu_seconds: int = 5
     """CPU time per call (RLIMIT_CPU); the child is killed past it."""
