@@ -1,63 +1,30 @@
 """Bridges megatron-core's CUDA assumptions so that it runs on CPU over gloo.
 
 megatron-core 0.16 assumes a GPU (or Transformer Engine, or Apex) in thirteen places; each is bridged by one
-named `Bridge` below, so a test can leave one out and watch the megatron code path it guards fail.
-All are applied when `megarl.device` says CUDA is absent. On CUDA only the two that stand in for what
-Transformer Engine or Apex would provide (9 and 12, `Bridge.on_cuda`) are: megatron's local layers
-need them there too, with `model.layer_spec=local` or when TE does not import.
+named `Bridge` in `BRIDGES` (its `_apply_*` function says what it bridges), so a test can leave one out and
+watch the megatron code path it guards fail. All are applied when `megarl.device` says CUDA is absent. On
+CUDA only the two that stand in for what Transformer Engine or Apex would provide (`te_general_gemm`,
+`torch_norm_sequence_parallel`: `Bridge.on_cuda`) are: megatron's local layers need them there too, with
+`model.layer_spec=local` or when TE does not import.
 
-1. `current_device`: `torch.cuda.current_device()` used as the device of buffers (the global
-   memory buffer of local attention, DDP buffers, pipeline p2p shape tensors).
-2. `rng_tracker`: the tensor-parallel RNG tracker reads and writes the CUDA generator.
-3. `synchronize`: `torch.cuda.synchronize()` after pipeline p2p communication and before
-   dist_checkpointing's writers copy tensors.
-4. `tensor_cuda`: `Tensor.cuda()` when tied embeddings are synchronised across pipeline stages.
-5. `cuda_factories`: `device="cuda"` tensor factories in the schedules, optimizer, grad clipping
-   and the grad-norm helper.
-6. `clip_grads_type`: grad clipping asserts `grad.type() == "torch.cuda.FloatTensor"`.
-7. `optimizer_type`: the optimizers sort parameters by CUDA type names.
-8. `optimizer_gather_cuda`: saving the distributed optimizer's state in its layout-independent
-   (`fully_reshardable`) form all-gathers it over DP after `Tensor.cuda()`.
-9. `te_general_gemm`: the MoE router's gating GEMM tests `te_general_gemm is not None`, a name
-   that `moe_utils` defines only when Transformer Engine imports (on CUDA too).
-10. `alltoall_streams`: the alltoall token dispatcher copies its token counts to the host on a
-   side `torch.cuda.Stream` and waits on an event recorded there; on CPU the counts already live
-   on the host, and the stream and event do nothing.
-11. `alltoall_split_sizes`: that copy (`maybe_move_tensor_to_cpu`) is what turns the split sizes
-   into the numpy arrays `all_to_all_single` takes; it skips host tensors, whose split sizes would
-   reach gloo as tensors, which it rejects. On CPU the "copy" still makes the numpy arrays.
-12. `torch_norm_sequence_parallel`: sequence parallelism (which megatron needs to train MoE layers
-   at TP > 1) splits the norms' inputs over the TP ranks, so each rank's norm-weight gradient is a
-   partial sum that `finalize_model_grads` all-reduces for weights marked `sequence_parallel`.
-   Apex's and TE's norms mark them; megatron's torch-norm fallback (the local spec's RMSNorm, Apex or
-   not) asserts sequence parallelism away instead. The bridge builds the same torch norm and marks
-   its weights.
-13. `uneven_sequence_parallel`: with sequence parallelism, experts split over expert-TP ranks gather
-   the tokens routed to them from the sequence-parallel ranks, a different number from each
-   (`all_gather` into unequal parts), and reduce-scatter their gradients back the same way
-   (`reduce_scatter` of a list). gloo takes equal parts only and has no list reduce-scatter: in
-   megatron's TP mappings, unequal parts are padded to the largest for the gather, and the
-   reduce-scatter is an all-reduce of which each rank keeps its part.
-
-Besides the bridges, two changes for speed (`faster_collectives`), as megatron on GPU would not
-need them:
+Besides the bridges, `faster_collectives` makes two changes for speed on CPU, which megatron on GPU would
+not need:
 - megatron's blocking all-reduces (the grad norm, the TP all-reduces of activations) go through
-  `megarl.distributed.collectives`: shared memory where the group's ranks share a host, at about
-  1% of gloo's latency for small tensors.
-- the distributed optimizer reduce-scatters its gradient buffers and all-gathers its parameter
-  buffers in place, each rank's shard a slice of the whole buffer. gloo runs both slower than the
-  collectives that do the same there: over two processes, for 124 MB, its reduce-scatter takes 147 ms
-  and its all-gather 124 ms, an all-reduce 84 ms and a broadcast 47 ms; over one rank (DP1) both change
-  nothing, yet gloo copies the whole buffer through a scratch one (0.5 s a step for a 30M-parameter
-  model on one core). So: over one rank they return at once; the reduce-scatter all-reduces the buffer
-  (whose shard is this rank's slice) through `collectives`; the all-gather gathers in place through
-  shared memory on one host and, across hosts, broadcasts each rank's shard from that rank.
+  `megarl.distributed.collectives`: shared memory where the group's ranks share a host, since small
+  tensors over gloo cost its latency.
+- the distributed optimizer reduce-scatters its gradient buffers and all-gathers its parameter buffers
+  in place, each rank's shard a slice of the whole buffer; gloo runs both slower than the collectives
+  that do the same, and over one rank (DP1), where they change nothing, copies the whole buffer through
+  a scratch one. So: over one rank they return at once; the reduce-scatter all-reduces the buffer
+  through `collectives`; the all-gather gathers in place through shared memory on one host and, across
+  hosts, broadcasts each rank's shard from that rank.
 
 How: megatron modules get a *view* of `torch` as their module global `torch`; the view forwards
 everything to the real module, except the attributes a bridge sets on it. Nothing outside
-megatron (vLLM, transformers, our own code) sees a changed `torch`. Bridges 4, 6, 7 and 8 cannot be
-scoped by module (they are Tensor methods), so they wrap the one megatron function that needs
-them and patch the Tensor method only for the duration of that call.
+megatron (vLLM, transformers, our own code) sees a changed `torch`. The bridges of Tensor methods
+(`tensor_cuda`, `clip_grads_type`, `optimizer_type`, `optimizer_gather_cuda`) cannot be scoped by module,
+so they wrap the one megatron function that needs them and patch the Tensor method only for the
+duration of that call.
 """
 
 from __future__ import annotations
@@ -178,10 +145,13 @@ def _cuda_type_names():
 
 
 def _apply_current_device(view):
+    """`torch.cuda.current_device()` used as the device of buffers (the global memory buffer of local
+    attention, DDP buffers, pipeline p2p shape tensors)."""
     view.cuda.current_device = lambda: "cpu"
 
 
 def _apply_rng_tracker(view):
+    """The tensor-parallel RNG tracker reads and writes the CUDA generator."""
     # The CPU default generator plays the role of the device generator: the tracker swaps its
     # state in and out exactly as it would swap the CUDA generator's.
     random = sys.modules["megatron.core.tensor_parallel.random"]
@@ -196,21 +166,27 @@ def _apply_rng_tracker(view):
 
 
 def _apply_synchronize(view):
+    """`torch.cuda.synchronize()` after pipeline p2p communication and before dist_checkpointing's writers
+    copy tensors."""
     view.cuda.synchronize = lambda device=None: None
 
 
 def _apply_tensor_cuda(view):
+    """`Tensor.cuda()` when tied embeddings are synchronised across pipeline stages."""
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
     _wrap_with(LanguageModule, "setup_embeddings_and_output_layer", _tensor_cuda_is_identity)
 
 
 def _apply_cuda_factories(view):
+    """`device="cuda"` tensor factories in the schedules, optimizer, grad clipping and the grad-norm
+    helper."""
     for name in ("zeros", "ones", "empty", "full", "tensor", "arange"):
         setattr(view, name, _cpu_factory(getattr(torch, name)))
 
 
 def _apply_clip_grads_type(view):
+    """Grad clipping asserts `grad.type() == "torch.cuda.FloatTensor"`."""
     clip_grads = sys.modules["megatron.core.optimizer.clip_grads"]
     _wrap_with(clip_grads, "clip_grad_by_total_norm_fp32", _cuda_type_names)
     # `optimizer.py` imported the function by name: rebind it there too.
@@ -220,6 +196,7 @@ def _apply_clip_grads_type(view):
 
 
 def _apply_optimizer_type(view):
+    """The optimizers sort parameters by CUDA type names."""
     optimizer = sys.modules["megatron.core.optimizer.optimizer"]
     distrib_optimizer = sys.modules["megatron.core.optimizer.distrib_optimizer"]
     _wrap_with(optimizer.Float16OptimizerWithFloat16Params, "__init__", _cuda_type_names)
@@ -231,11 +208,15 @@ def _apply_optimizer_type(view):
 
 
 def _apply_optimizer_gather_cuda(view):
+    """Saving the distributed optimizer's state in its layout-independent (`fully_reshardable`) form
+    all-gathers it over DP after `Tensor.cuda()`."""
     distrib_optimizer = sys.modules["megatron.core.optimizer.distrib_optimizer"]
     _wrap_with(distrib_optimizer.DistributedOptimizer, "get_parameter_state_dp_zero", _tensor_cuda_is_identity)
 
 
 def _apply_te_general_gemm(view):
+    """The MoE router's gating GEMM tests `te_general_gemm is not None`, a name that `moe_utils` defines only
+    when Transformer Engine imports (on CUDA too)."""
     moe_utils = sys.modules["megatron.core.transformer.moe.moe_utils"]
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None  # what the module means when TE is absent
@@ -265,6 +246,9 @@ class _HostStream:
 
 
 def _apply_alltoall_streams(view):
+    """The alltoall token dispatcher copies its token counts to the host on a side `torch.cuda.Stream` and
+    waits on an event recorded there; on CPU the counts already live on the host, and the stream and event do
+    nothing."""
     host_stream = _HostStream()
     view.cuda.Stream = lambda *args, **kwargs: _HostStream()
     view.cuda.current_stream = lambda device=None: host_stream
@@ -272,10 +256,18 @@ def _apply_alltoall_streams(view):
 
 
 def _apply_alltoall_split_sizes(view):
+    """The alltoall dispatcher's device-to-host copy (`maybe_move_tensor_to_cpu`) is what turns the split
+    sizes into the numpy arrays `all_to_all_single` takes; it skips host tensors, whose split sizes would
+    reach gloo as tensors, which it rejects. On CPU the "copy" still makes the numpy arrays."""
     sys.modules["megatron.core.transformer.moe.token_dispatcher"].maybe_move_tensor_to_cpu = _host_copy
 
 
 def _apply_torch_norm_sequence_parallel(view):
+    """Sequence parallelism (which megatron needs to train MoE layers at TP > 1) splits the norms' inputs over
+    the TP ranks, so each rank's norm-weight gradient is a partial sum that `finalize_model_grads` all-reduces
+    for weights marked `sequence_parallel`. Apex's and TE's norms mark them; megatron's torch-norm fallback
+    (the local spec's RMSNorm, Apex or not) asserts sequence parallelism away instead. The bridge builds the
+    same torch norm and marks its weights."""
     torch_norm = sys.modules["megatron.core.transformer.torch_norm"].WrappedTorchNorm
     build = torch_norm.__new__
     if getattr(build, "_megarl_bridged", False):
@@ -314,6 +306,11 @@ def _reduce_scatter_list(output, input_list, op=torch.distributed.ReduceOp.SUM, 
 
 
 def _apply_uneven_sequence_parallel(view):
+    """With sequence parallelism, experts split over expert-TP ranks gather the tokens routed to them from the
+    sequence-parallel ranks, a different number from each (`all_gather` into unequal parts), and
+    reduce-scatter their gradients back the same way (`reduce_scatter` of a list). gloo takes equal parts only
+    and has no list reduce-scatter: in megatron's TP mappings, unequal parts are padded to the largest for the
+    gather, and the reduce-scatter is an all-reduce of which each rank keeps its part."""
     mappings = sys.modules["megatron.core.tensor_parallel.mappings"]
     mappings.torch = _ForwardingView("torch", view)  # scoped to the TP mappings
     mappings.torch.distributed = _ForwardingView("torch.distributed", view.distributed)
