@@ -1,4 +1,4 @@
-# megarl images. Not built in megarl's CI (its machines have no Docker engine): see README.
+# megarl images. Not built in megarl's CI (its machines have no Docker engine): see docs/hardware.md.
 #
 #   docker build --target gpu -t megarl:gpu .     # CUDA: megatron-core, Transformer Engine, Apex, vLLM
 #   docker build --target cpu -t megarl:cpu .     # laptop: vLLM's CPU build, gloo
