@@ -14,10 +14,17 @@ do, and that its chat template renders (tokenizing the rendered template must th
 tokens). Every weight, including norms and biases, is random (HF initialises norms to one and biases
 to zero, which would hide mapping mistakes).
 
-The mixture-of-experts families (qwen3_moe, qwen2_moe, mixtral) have --num-experts experts of
-intermediate size --moe-ffn-hidden-size per layer, --top-k routed per token; Qwen2-MoE adds a
-gated shared expert of --ffn-hidden-size. Qwen3-MoE renormalises its top-k routing weights
-(norm_topk_prob, as Qwen3-30B-A3B does), Qwen2-MoE does not (as Qwen1.5-MoE), Mixtral always does.
+The mixture-of-experts families (qwen3_moe, qwen2_moe, mixtral, deepseek_v3, glm4_moe) have
+--num-experts experts of intermediate size --moe-ffn-hidden-size per layer, --top-k routed per token;
+Qwen2-MoE adds a gated shared expert of --ffn-hidden-size. Qwen3-MoE renormalises its top-k routing
+weights (norm_topk_prob, as Qwen3-30B-A3B does), Qwen2-MoE does not (as Qwen1.5-MoE), Mixtral always does.
+DeepSeek-V3 and GLM-4.5 route by sigmoid scores with a correction bias (random and non-zero here, as in
+real checkpoints: a zero bias would hide a wrong sign or a missing term) within --n-group groups, have
+one shared expert and --dense-layers dense first layers. DeepSeek-V3 has multi-latent attention
+(--q-lora-rank 0: no query latent, as Moonlight; --rope-type yarn for YaRN); GLM-4.5 has q/k/v biases,
+qk-norm and RoPE on half of each head.
+
+    python checkpoints_tools/make_tiny_model.py --family deepseek_v3 --out outputs/tiny_deepseek_v3
 """
 
 from __future__ import annotations
@@ -56,8 +63,8 @@ CHAT_TEMPLATE = (
     "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-               "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixtral"}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
+               "qwen2_moe": "qwen2_moe", "mixtral": "mixtral", "deepseek_v3": "deepseek_v3", "glm4_moe": "glm4_moe"}
 
 
 def make_tokenizer(bos: bool = False) -> PreTrainedTokenizerFast:
@@ -90,8 +97,7 @@ def character_token(character: str) -> str:
 
 def make_config(args, tokenizer: PreTrainedTokenizerFast):
     suffix = "ForTokenClassification" if args.value_model else "ForCausalLM"
-    return AutoConfig.for_model(
-        MODEL_TYPES[args.family],
+    fields = dict(
         architectures=[HF_CLASS_PREFIX[args.family] + suffix],
         vocab_size=len(tokenizer),
         hidden_size=args.hidden_size,
@@ -110,8 +116,8 @@ def make_config(args, tokenizer: PreTrainedTokenizerFast):
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
-        **moe_fields(args),
     )
+    return AutoConfig.for_model(MODEL_TYPES[args.family], **{**fields, **moe_fields(args)})
 
 
 def moe_fields(args) -> dict:
@@ -122,11 +128,28 @@ def moe_fields(args) -> dict:
         return dict(num_experts=args.num_experts, num_experts_per_tok=args.top_k,
                     moe_intermediate_size=args.moe_ffn_hidden_size, norm_topk_prob=args.family == "qwen3_moe",
                     decoder_sparse_step=1, mlp_only_layers=[], **shared)
+    if args.family in ("deepseek_v3", "glm4_moe"):
+        fields = dict(n_routed_experts=args.num_experts, num_experts_per_tok=args.top_k,
+                      moe_intermediate_size=args.moe_ffn_hidden_size, n_shared_experts=1, norm_topk_prob=True,
+                      n_group=args.n_group, topk_group=max(1, args.top_k // 2) if args.n_group > 1 else 1,
+                      routed_scaling_factor=args.routed_scaling_factor, first_k_dense_replace=args.dense_layers,
+                      topk_method="noaux_tc", num_nextn_predict_layers=0)
+        if args.family == "glm4_moe":
+            return dict(fields, attention_bias=True, use_qk_norm=True, num_mtp_layers=0)
+        head_dim = args.hidden_size // args.num_heads
+        return dict(fields, q_lora_rank=args.q_lora_rank or None, kv_lora_rank=args.kv_lora_rank,
+                    qk_rope_head_dim=args.qk_rope_head_dim, qk_nope_head_dim=head_dim, v_head_dim=head_dim,
+                    num_key_value_heads=args.num_heads, head_dim=args.qk_rope_head_dim)
     return {}
 
 
 def rope_parameters(args) -> dict:
     parameters = {"rope_type": args.rope_type, "rope_theta": args.rope_theta}
+    if args.family == "glm4_moe":
+        parameters["partial_rotary_factor"] = 0.5
+    if args.rope_type == "yarn":  # DeepSeek-V3's settings, for a tenth of its context
+        parameters.update(factor=args.rope_factor, original_max_position_embeddings=args.max_position_embeddings // 4,
+                          beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)
     if args.rope_type == "linear":
         parameters["factor"] = args.rope_factor
     if args.rope_type == "llama3":  # the constants megatron-core implements
@@ -144,6 +167,9 @@ def randomize(model: torch.nn.Module, std: float, seed: int) -> None:
             param.copy_(1.0 + 0.1 * noise)
         else:
             param.copy_(std * noise)
+    for name, bias in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # of the order of the sigmoid scores' spread
+            bias.copy_(0.05 * torch.randn(bias.shape, generator=generator))
 
 
 def main(argv=None) -> None:
@@ -160,8 +186,16 @@ def main(argv=None) -> None:
     parser.add_argument("--num-kv-heads", type=int, default=2)
     parser.add_argument("--max-position-embeddings", type=int, default=512)
     parser.add_argument("--rope-theta", type=float, default=10000.0)
-    parser.add_argument("--rope-type", choices=["default", "linear", "llama3"], default="default")
-    parser.add_argument("--rope-factor", type=float, default=8.0, help="scaling factor of linear/llama3 RoPE")
+    parser.add_argument("--rope-type", choices=["default", "linear", "llama3", "yarn"], default="default",
+                        help="yarn: deepseek_v3 only")
+    parser.add_argument("--rope-factor", type=float, default=8.0, help="scaling factor of linear/llama3/yarn RoPE")
+    parser.add_argument("--dense-layers", type=int, default=1, help="deepseek_v3, glm4_moe: dense first layers")
+    parser.add_argument("--n-group", type=int, default=1,
+                        help="deepseek_v3, glm4_moe: expert groups (tokens pick from the best top-k/2)")
+    parser.add_argument("--routed-scaling-factor", type=float, default=2.5, help="deepseek_v3, glm4_moe")
+    parser.add_argument("--q-lora-rank", type=int, default=48, help="deepseek_v3: query latent; 0: none")
+    parser.add_argument("--kv-lora-rank", type=int, default=32, help="deepseek_v3: key/value latent")
+    parser.add_argument("--qk-rope-head-dim", type=int, default=16, help="deepseek_v3: RoPE part of each head")
     parser.add_argument("--tied", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--value-model", action="store_true", help="a *ForTokenClassification value model")
     parser.add_argument("--init-std", type=float, default=0.05)

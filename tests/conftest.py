@@ -29,11 +29,18 @@ TINY_MODELS = {
 }
 # Every mixture-of-experts family (8 experts, top-2): Qwen3-MoE renormalises its top-k routing
 # weights, Qwen2-MoE does not and has a gated shared expert; plus an untied model and a value model.
+# DeepSeek-V3 (multi-latent attention, YaRN) and GLM-4.5 (partial RoPE, q/k/v biases, qk-norm) route by
+# sigmoid scores with non-zero correction biases in two expert groups, after a dense first layer; a
+# DeepSeek-V3 value model without the query latent (as Moonlight).
 TINY_MOE_MODELS = {
     "qwen3-moe": ["--family", "qwen3_moe"],
     "qwen2-moe": ["--family", "qwen2_moe"],
     "mixtral-untied": ["--family", "mixtral", "--no-tied"],
     "qwen2-moe-value": ["--family", "qwen2_moe", "--value-model"],
+    "deepseek-v3": ["--family", "deepseek_v3", "--no-tied", "--n-group", "2", "--rope-type", "yarn",
+                    "--rope-factor", "4"],
+    "deepseek-v3-no-q-lora-value": ["--family", "deepseek_v3", "--q-lora-rank", "0", "--value-model"],
+    "glm4-moe": ["--family", "glm4_moe", "--no-tied", "--n-group", "2"],
 }
 
 

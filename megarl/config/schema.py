@@ -36,8 +36,12 @@ class MoEConfig:
 
     expert_bias: bool = False
     """Aux-loss-free load balancing: a per-expert routing bias nudged towards equal load after every
-    step. megatron-core supports it only with sigmoid routing scores, which then replace the
+    step. DeepSeek-V3 and GLM-4.5 checkpoints carry theirs (fixed unless this is on); for the other
+    families megatron-core supports it only with sigmoid routing scores, which then replace the
     checkpoint's softmax scores."""
+
+    bias_update_rate: float = 1e-3
+    """How far one step moves each expert's bias (with expert_bias)."""
 
 
 @dataclass

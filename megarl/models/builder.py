@@ -5,10 +5,11 @@ Transformer Engine's fused ones where `megarl.device` says TE is usable (`layer_
 for a model that shares prompts (`resolve_layer_spec`). Fused kernels and sequence parallelism follow
 the device and the layer spec (`fused_kernels`).
 
-Mixture-of-experts architectures get megatron-core's own MoE layer in every decoder layer: a
-router, the experts (one MLP per local expert with the local spec; grouped GEMMs over the local
-experts with Transformer Engine) and, for Qwen2-MoE, the gated shared expert. How they train
-(token dispatcher, balancing losses, expert bias) is `MoESettings`.
+Mixture-of-experts architectures get megatron-core's own MoE layer in every decoder layer past
+their dense first ones: a router, the experts (one MLP per local expert with the local spec; grouped
+GEMMs over the local experts with Transformer Engine) and the shared experts (Qwen2-MoE's gated).
+How they train (token dispatcher, balancing losses, expert bias) is `MoESettings`. Multi-latent
+attention (DeepSeek-V3) is megatron-core's MLA, configured by `MLATransformerConfig`.
 """
 
 from __future__ import annotations
@@ -19,16 +20,14 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_layer_local_spec,
-    get_gpt_layer_with_transformer_engine_spec,
-)
-from megatron.core.transformer import TransformerConfig
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
 from megarl import device
 from megarl.distributed.layout import ParallelLayout
 from megarl.models.architecture import Architecture, check_layout_fits, padded_vocab_size
 from megarl.models.layer_specs import LAYER_SPECS
+from megarl.models.local_mla import local_mla_spec
 from megarl.models.value_head import GPTValueModel, ValueHead
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,9 +63,14 @@ class MoESettings:
     """Weight of the router z-loss (mean squared log-sum-exp of the router logits); 0 disables."""
     expert_bias: bool = False
     """Aux-loss-free load balancing: a per-expert bias, nudged after every step towards equal load,
-    is added to the routing scores for choosing experts (not for weighting them). megatron-core
-    supports it with sigmoid scores only, so the router then scores experts with a sigmoid (weights
-    renormalised over the chosen experts) instead of the checkpoint's softmax."""
+    is added to the routing scores for choosing experts (not for weighting them). An architecture
+    with a correction bias (DeepSeek-V3, GLM-4.5) starts from its checkpoint's, which stays fixed
+    without this; for the others megatron-core supports it with sigmoid scores only, so the router
+    then scores experts with a sigmoid (weights renormalised over the chosen experts) instead of the
+    checkpoint's softmax."""
+
+    bias_update_rate: float = 1e-3
+    """How far one step moves each expert's bias (megatron-core's default)."""
 
 
 def moe_transformer_fields(arch: Architecture, layout: ParallelLayout, moe: MoESettings,
@@ -76,16 +80,24 @@ def moe_transformer_fields(arch: Architecture, layout: ParallelLayout, moe: MoES
         # megatron-core rejects variable_seq_lengths with its default MoE token dispatcher
         # ("allgather") even in a dense model, which builds no dispatcher at all.
         return {"moe_token_dispatcher_type": "alltoall"}
+    sigmoid = arch.router_score == "sigmoid" or moe.expert_bias
     return dict(
         num_moe_experts=arch.num_experts,
+        moe_layer_freq=[0] * arch.dense_layers + [1] * (arch.num_layers - arch.dense_layers),
         moe_router_topk=arch.moe_topk,
         moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
         moe_shared_expert_intermediate_size=arch.shared_expert_ffn_hidden_size or None,
         moe_shared_expert_gate=arch.shared_expert_gate,
         # Softmax after top-k equals the top-k entries of the full softmax renormalised to sum to one.
-        moe_router_pre_softmax=not arch.moe_norm_topk_prob,
-        moe_router_score_function="sigmoid" if moe.expert_bias else "softmax",
-        moe_router_enable_expert_bias=moe.expert_bias,
+        moe_router_pre_softmax=not sigmoid and not arch.moe_norm_topk_prob,
+        moe_router_score_function="sigmoid" if sigmoid else "softmax",
+        moe_router_enable_expert_bias=arch.router_bias or moe.expert_bias,
+        moe_router_bias_update_rate=moe.bias_update_rate if moe.expert_bias else 0.0,
+        moe_router_num_groups=arch.router_groups if arch.router_groups > 1 else None,
+        moe_router_group_topk=arch.router_group_topk if arch.router_groups > 1 else None,
+        moe_router_topk_scaling_factor=arch.routed_scaling_factor if arch.routed_scaling_factor != 1.0 else None,
+        # As HF's DeepSeek-V3 and GLM-4.5 routers: scores in float32 whatever the model's dtype.
+        moe_router_dtype="fp32" if arch.router_score == "sigmoid" else None,
         moe_aux_loss_coeff=moe.aux_loss_coeff,
         # megatron divides the z-loss weight by TP, but under sequence parallelism (MoE training at TP > 1)
         # each TP rank's router sees only its part of the tokens: the division would shrink the loss TP-fold.
@@ -139,17 +151,36 @@ def fused_kernels(layer_spec: str, tp: int, is_moe: bool = False) -> dict[str, b
     }
 
 
+def latent_attention_fields(arch: Architecture) -> dict:
+    """The MLATransformerConfig fields of multi-latent attention (YaRN's too: MLA applies its RoPE)."""
+    mla, yarn = arch.mla, arch.yarn
+    fields = dict(
+        q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank, qk_head_dim=mla.nope_head_dim,
+        qk_pos_emb_head_dim=mla.rope_head_dim, v_head_dim=mla.v_head_dim, rotary_base=arch.rope_theta,
+        rope_type="yarn" if yarn else "rope", rotary_scaling_factor=yarn.factor if yarn else 1.0,
+    )
+    if yarn:
+        fields.update(original_max_position_embeddings=yarn.original_max_position_embeddings,
+                      beta_fast=yarn.beta_fast, beta_slow=yarn.beta_slow, mscale=yarn.mscale,
+                      mscale_all_dim=yarn.mscale_all_dim)
+    return fields
+
+
 def transformer_config(
     arch: Architecture, layout: ParallelLayout, dtype: str, recompute_activations: bool = False,
     schedule: ScheduleSettings = ScheduleSettings(), layer_spec: str = "local", moe: MoESettings = MoESettings(),
 ) -> TransformerConfig:
     params_dtype = TORCH_DTYPES[dtype]
-    return TransformerConfig(
+    config_class, attention_fields = TransformerConfig, {}
+    if arch.mla:
+        config_class, attention_fields = MLATransformerConfig, latent_attention_fields(arch)
+    return config_class(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         num_attention_heads=arch.num_attention_heads,
         num_query_groups=arch.num_kv_heads,
-        kv_channels=arch.head_dim,
+        # MLA reads its own head dims; its local core attention takes this as its output's.
+        kv_channels=arch.mla.v_head_dim if arch.mla else arch.head_dim,
         ffn_hidden_size=arch.ffn_hidden_size,
         normalization="RMSNorm",
         layernorm_epsilon=arch.rms_norm_eps,
@@ -157,7 +188,8 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
-        qk_layernorm=arch.qk_norm,
+        # MLA's q_layernorm and kv_layernorm normalise its latents.
+        qk_layernorm=arch.qk_norm or arch.mla is not None,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=arch.initializer_range,
@@ -179,6 +211,7 @@ def transformer_config(
         **fused_kernels(layer_spec, layout.tp, arch.is_moe),
         **vars(schedule),
         **moe_transformer_fields(arch, layout, moe, layer_spec),
+        **attention_fields,
     )
 
 
@@ -197,12 +230,11 @@ def build_model(
     check_layout_fits(arch, layout.tp, layout.pp, layout.ep)
     layer_spec = resolve_layer_spec(layer_spec)
     config = transformer_config(arch, layout, dtype, recompute_activations, schedule, layer_spec, moe)
-    num_experts = arch.num_experts or None
-    if layer_spec == "transformer_engine":
-        spec = get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=arch.is_moe, qk_layernorm=arch.qk_norm)
-    else:
-        spec = get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    # Each layer's spec from the config: MLA or not, dense or MoE (`moe_layer_freq`), this stage's layers.
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=layer_spec == "transformer_engine",
+                                      normalization="RMSNorm", pp_rank=layout.pp_rank)
+    if arch.mla and layer_spec == "local":
+        local_mla_spec(spec)
     model_class = GPTValueModel if arch.value_model else GPTModel
     model = model_class(
         config=config,
@@ -214,6 +246,7 @@ def build_model(
         share_embeddings_and_output_weights=arch.tie_word_embeddings and not arch.value_model,
         position_embedding_type="rope",
         rotary_base=arch.rope_theta,
+        rotary_percent=arch.rotary_percent,
         rope_scaling=arch.rope_type == "llama3",
         rope_scaling_factor=arch.rope_factor,
         seq_len_interpolation_factor=arch.rope_factor if arch.rope_type == "linear" else None,

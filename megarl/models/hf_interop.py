@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 
@@ -23,7 +24,16 @@ from megarl.distributed.layout import ParallelLayout
 from megarl.models.architecture import Architecture, architecture_from_hf, read_hf_config
 from megarl.models.builder import MoESettings, ScheduleSettings, build_model
 from megarl.models.hf_checkpoint import SafetensorsReader, write_index, write_shard
-from megarl.models.state_dict_adapter import ParamMapping, assemble_shard, merge_shards, param_mappings, tp_split
+from megarl.models.state_dict_adapter import (
+    ParamMapping,
+    assemble_shard,
+    mapped_tensors,
+    merge_shards,
+    param_mappings,
+    tp_split,
+)
+
+logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -50,6 +60,10 @@ def load_hf_model(
     With `value_head`, a causal LM checkpoint becomes a value model: its backbone is loaded and a
     new, zero-initialised value head replaces the LM head (the usual way to start a critic)."""
     arch = architecture_from_hf(read_hf_config(model_dir), source=f"{model_dir}/config.json")
+    if arch.mtp_layers and dist.get_rank() == 0:
+        first = arch.num_layers
+        logger.warning(f"{model_dir}: multi-token-prediction layers model.layers.{first}..{first + arch.mtp_layers - 1}"
+                       " not loaded (they serve speculative decoding; RL trains the next-token policy)")
     if value_head and not arch.value_model:
         arch = dataclasses.replace(arch, value_model=True, tie_word_embeddings=False)
     model = build_model(arch, layout, dtype, layer_spec, make_vocab_size_divisible_by, recompute_activations, schedule,
@@ -62,7 +76,7 @@ def load_hf_model(
 def load_hf_weights(model: torch.nn.Module, arch: Architecture, layout: ParallelLayout, model_dir: str) -> None:
     reader = SafetensorsReader(model_dir)
     available = set(reader.names())
-    params = dict(model.named_parameters())
+    params = mapped_tensors(model, arch)
     for mapping in param_mappings(model, arch):
         param = params[mapping.megatron_name]
         if mapping.megatron_name.startswith("output_layer.score.") and mapping.hf_names[0] not in available:
@@ -75,7 +89,7 @@ def load_hf_weights(model: torch.nn.Module, arch: Architecture, layout: Parallel
 @torch.no_grad()
 def gather_hf_state_dict(model: torch.nn.Module, arch: Architecture, layout: ParallelLayout) -> dict[str, torch.Tensor]:
     """This pipeline stage's weights under HF names (complete on every rank of the stage)."""
-    params = dict(model.named_parameters())
+    params = mapped_tensors(model, arch)
     # The same parameters as each EP rank names them: its own experts.
     named_by_ep_rank = [param_mappings(model, arch, ep_rank) for ep_rank in range(layout.ep)]
     hf_tensors = {}

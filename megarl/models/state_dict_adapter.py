@@ -9,9 +9,12 @@ HF tensors (or zero rows of vocabulary padding). The whole mapping is this one i
     row         linear_proj (o_proj), linear_fc2 (down_proj)         columns [r*n/tp, (r+1)*n/tp)
     gate_up     linear_fc1 = [gate_r; up_r]                         gate rows, up rows
     qkv         linear_qkv = per local query group g: [q_g; k_g; v_g] q/k/v rows of each group
+    column      MLA's up projections (q_proj, q_b_proj, kv_b_proj)  rows [r*n/tp, (r+1)*n/tp): whole heads
+    latent_down MLA's down projections (q_a_proj, kv_a_proj)        rows as `column` (megatron's local
+                                                                    layers), the whole tensor (TE's)
 
-Mixture-of-experts layers add the router and the Qwen2-MoE shared expert's gate (replicated),
-the shared expert (split over TP like the dense MLP) and the routed experts. Each expert is an MLP
+Mixture-of-experts layers add the router, its correction bias and the Qwen2-MoE shared expert's
+gate (replicated), the shared experts (split over TP like the dense MLP) and the routed experts. Each expert is an MLP
 of the same kinds, gate_up and row, but split over the expert tensor-parallel ranks (ETP, which
 `ParamMapping.expert` marks; `tp_split` picks the split), and a rank holds only its EP rank's
 experts: local expert i of EP rank e is global expert e * num_local_experts + i, the index in
@@ -53,12 +56,25 @@ _LAYER_RULES = {
     "mlp.linear_fc2.weight": ("row", ("mlp.down_proj.weight",)),
     # Mixture of experts ({moe}: the HF block's name; the routed experts follow `_EXPERT_NAME`).
     "mlp.router.weight": ("replicated", ("{moe}.gate.weight",)),
+    "mlp.router.expert_bias": ("replicated", ("{moe}.gate.e_score_correction_bias",)),
     "mlp.shared_experts.linear_fc1.weight": (
         "gate_up",
-        ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+        ("mlp.{shared}.gate_proj.weight", "mlp.{shared}.up_proj.weight"),
     ),
-    "mlp.shared_experts.linear_fc2.weight": ("row", ("mlp.shared_expert.down_proj.weight",)),
+    "mlp.shared_experts.linear_fc2.weight": ("row", ("mlp.{shared}.down_proj.weight",)),
     "mlp.shared_experts.gate_weight": ("replicated", ("mlp.shared_expert_gate.weight",)),
+}
+# Multi-latent attention (DeepSeek-V3), in place of the rules of its names above.
+_MLA_RULES = {
+    "self_attention.linear_q_proj.weight": ("column", ("self_attn.q_proj.weight",)),
+    "self_attention.linear_q_down_proj.weight": ("latent_down", ("self_attn.q_a_proj.weight",)),
+    "self_attention.q_layernorm.weight": ("replicated", ("self_attn.q_a_layernorm.weight",)),
+    "self_attention.linear_q_up_proj.layer_norm_weight": ("replicated", ("self_attn.q_a_layernorm.weight",)),
+    "self_attention.linear_q_up_proj.weight": ("column", ("self_attn.q_b_proj.weight",)),
+    "self_attention.linear_kv_down_proj.weight": ("latent_down", ("self_attn.kv_a_proj_with_mqa.weight",)),
+    "self_attention.kv_layernorm.weight": ("replicated", ("self_attn.kv_a_layernorm.weight",)),
+    "self_attention.linear_kv_up_proj.layer_norm_weight": ("replicated", ("self_attn.kv_a_layernorm.weight",)),
+    "self_attention.linear_kv_up_proj.weight": ("column", ("self_attn.kv_b_proj.weight",)),
 }
 _LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 # A routed expert's linear layers: one module per local expert (local spec), or one grouped
@@ -67,6 +83,7 @@ _EXPERT_NAME = re.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12
 # family -> (HF MoE block, HF names of an expert's gate, up and down projections)
 _HF_EXPERTS = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
 _HF_EXPERTS_DEFAULT = ("mlp", "gate_proj", "up_proj", "down_proj")
+_HF_SHARED_EXPERTS = {"qwen2_moe": "shared_expert"}  # the others: "shared_experts"
 
 
 @dataclass(frozen=True)
@@ -97,18 +114,26 @@ def tp_split(mapping: ParamMapping, layout) -> tuple[int, int]:
     return (layout.etp_rank, layout.etp) if mapping.expert else (layout.tp_rank, layout.tp)
 
 
+def mapped_tensors(model: torch.nn.Module, arch: Architecture) -> dict[str, torch.Tensor]:
+    """The tensors of this rank's model stage that have HF counterparts: its parameters, and the
+    routers' correction biases of an architecture whose checkpoints carry them (buffers: moved by
+    aux-loss-free balancing, not by the optimizer)."""
+    tensors = dict(model.named_parameters())
+    if arch.router_bias:
+        tensors.update((name, buffer) for name, buffer in model.named_buffers() if name.endswith(".router.expert_bias"))
+    return tensors
+
+
 def param_mappings(model: torch.nn.Module, arch: Architecture, ep_rank: int | None = None) -> list[ParamMapping]:
-    """The mapping of every parameter this rank's model stage holds; with `ep_rank`, named as EP rank
-    `ep_rank` names its own experts (the same parameters, in the same order)."""
+    """The mapping of every tensor of `mapped_tensors`, in its order; with `ep_rank`, named as EP
+    rank `ep_rank` names its own experts (the same tensors, in the same order)."""
     layer_numbers = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
+    moe_layers = [layer.mlp for layer in model.decoder.layers if arch.is_moe_layer(layer.layer_number - 1)]
     expert_offset = 0
-    if arch.is_moe and len(model.decoder.layers):
-        moe_layer = model.decoder.layers[0].mlp
+    if moe_layers:
+        moe_layer = moe_layers[0]
         expert_offset = moe_layer.local_expert_indices[0] if ep_rank is None else ep_rank * moe_layer.num_local_experts
-    return [
-        param_mapping(name, arch, layer_numbers, expert_offset)
-        for name, _ in model.named_parameters()
-    ]
+    return [param_mapping(name, arch, layer_numbers, expert_offset) for name in mapped_tensors(model, arch)]
 
 
 def param_mapping(name: str, arch: Architecture, layer_numbers: dict[int, int], expert_offset: int = 0) -> ParamMapping:
@@ -125,8 +150,10 @@ def param_mapping(name: str, arch: Architecture, layer_numbers: dict[int, int], 
             if linear == "linear_fc1":
                 return ParamMapping(name, "gate_up", (f"{prefix}{gate}.weight", f"{prefix}{up}.weight"), expert=True)
             return ParamMapping(name, "row", (f"{prefix}{down}.weight",), expert=True)
-        kind, suffixes = _LAYER_RULES[match.group(2)]
-        return ParamMapping(name, kind, tuple(layer + s.format(moe=moe_block) for s in suffixes))
+        rules = {**_LAYER_RULES, **_MLA_RULES} if arch.mla else _LAYER_RULES
+        kind, suffixes = rules[match.group(2)]
+        shared = _HF_SHARED_EXPERTS.get(arch.family, "shared_experts")
+        return ParamMapping(name, kind, tuple(layer + s.format(moe=moe_block, shared=shared) for s in suffixes))
     embed = "model.embed_tokens.weight"
     rules = {
         "embedding.word_embeddings.weight": ("vocab", (embed,)),
@@ -152,6 +179,11 @@ def shard_pieces(
     if kind == "row":
         n = shard_shape[1]
         return [Piece(names[0], 1, tp_rank * n, (tp_rank + 1) * n)]
+    if kind == "latent_down" and shard_shape[0] == _latent_rows(arch, names[0]):
+        return [Piece(names[0], 0, 0, shard_shape[0])]  # Transformer Engine keeps it whole on every TP rank
+    if kind in ("column", "latent_down"):
+        n = shard_shape[0]
+        return [Piece(names[0], 0, tp_rank * n, (tp_rank + 1) * n)]
     if kind == "vocab":
         n = shard_shape[0]
         start, stop = tp_rank * n, (tp_rank + 1) * n
@@ -172,6 +204,13 @@ def shard_pieces(
             pieces.append(Piece(names[2], 0, g * d, (g + 1) * d))
         return pieces
     raise ValueError(f"unknown mapping kind {kind!r}")
+
+
+def _latent_rows(arch: Architecture, hf_name: str) -> int:
+    """Rows of MLA's down projection `hf_name`: the query latent, or the key/value latent and the RoPE key."""
+    if hf_name.endswith("q_a_proj.weight"):
+        return arch.mla.q_lora_rank
+    return arch.mla.kv_lora_rank + arch.mla.rope_head_dim
 
 
 ReadSlice = Callable[[str, int, int, int], torch.Tensor]

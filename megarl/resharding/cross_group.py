@@ -29,6 +29,7 @@ from megarl import device
 from megarl.distributed.layout import ParallelLayout
 from megarl.distributed.split_world import SplitWorld
 from megarl.models.architecture import Architecture
+from megarl.models.state_dict_adapter import mapped_tensors
 from megarl.resharding.engine_layout import engine_needs
 from megarl.resharding.executor import SyncStats, gather_replica, hf_shapes_from, layer_buckets, local_sources
 from megarl.resharding.plan import Need, Transfer, plan_for_rank
@@ -42,7 +43,7 @@ class CrossGroupSync:
                  engine: RolloutEngine | None = None):
         """Collective over the whole world: trainer ranks pass `trainer`, rollout ranks `engine`."""
         self.world, self.engine, self.rank = world, engine, world.rank
-        self.module = trainer[0] if trainer is not None else None
+        self.trainer_tensors = mapped_tensors(*trainer[:2]) if trainer is not None else {}
         described = _describe_sources(*trainer) if trainer is not None else None
         arch, dense, experts, shapes, dtypes = world.broadcast_object(described, root=0)
         self.hf_shapes, self.hf_dtypes = shapes, dtypes
@@ -93,10 +94,9 @@ class CrossGroupSync:
         return SyncStats(seconds, seconds, received[0], 0, needed, peak[0])
 
     def _send_bucket(self, transfers: list[Transfer]) -> int:
-        params = dict(self.module.named_parameters())
         works, sent = [], 0
         for t in transfers:
-            piece = t.of_shard(params[t.megatron_name].detach()).contiguous()
+            piece = t.of_shard(self.trainer_tensors[t.megatron_name].detach()).contiguous()
             works.append(self.world.bridge.send([piece], t.dst, 0))
             sent += piece.numel() * piece.element_size()
         for work in works:
@@ -145,7 +145,7 @@ class CrossGroupSync:
 def _describe_sources(module: torch.nn.Module, arch: Architecture, layout: ParallelLayout) -> tuple | None:
     """On trainer rank 0: (arch, the dense pieces of its DP replica, the expert pieces of its expert
     replica, HF shapes, HF dtypes); a collective over the trainer ranks (None elsewhere)."""
-    own_shards = {name: (tuple(p.shape), p.dtype) for name, p in module.named_parameters()}
+    own_shards = {name: (tuple(p.shape), p.dtype) for name, p in mapped_tensors(module, arch).items()}
     experts, others = local_sources(module, arch, layout)
     replica = gather_replica((layout.rank, others, own_shards), [layout.tp_group, layout.pp_group])
     expert_replica = gather_replica((layout.rank, experts, own_shards), [layout.etp_group, layout.ep_group,

@@ -9,6 +9,9 @@ Mixture-of-experts layers (vLLM's FusedMoE, expert parallelism off): every rank 
 each split over TP_r like a dense MLP: its gate and up rows (Mixtral's w1 and w3; vLLM stacks them
 as w13) and its down columns (w2) evenly along the expert's intermediate dim. The Qwen2-MoE shared
 expert is a dense MLP; the router and the shared expert's gate are replicated (whole).
+
+Multi-latent attention (DeepSeek-V3): the up projections (q_proj or q_b_proj, kv_b_proj) by heads,
+evenly; the down projections (q_a_proj, kv_a_proj_with_mqa) and the latents' norms whole.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ def _split(name: str) -> tuple[str, int]:
         return "q_heads", 0
     if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
         return "kv_heads", 0
-    if name.endswith(("gate_proj.weight", "up_proj.weight", ".w1.weight", ".w3.weight")):
+    if name.endswith(("gate_proj.weight", "up_proj.weight", ".w1.weight", ".w3.weight", "q_b_proj.weight",
+                      "kv_b_proj.weight")):
         return "even", 0
     if name.endswith(("o_proj.weight", "down_proj.weight", ".w2.weight")):
         return "even", 1

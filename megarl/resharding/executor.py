@@ -36,7 +36,7 @@ import torch.distributed as dist
 from megarl.distributed import collectives
 from megarl.distributed.layout import ParallelLayout
 from megarl.models.architecture import Architecture
-from megarl.models.state_dict_adapter import param_mappings, shard_pieces, tp_split
+from megarl.models.state_dict_adapter import mapped_tensors, param_mappings, shard_pieces, tp_split
 from megarl.resharding.engine_layout import engine_needs
 from megarl.resharding.plan import Need, Plan, SourcePiece, Transfer, plan_for_rank
 from megarl.resharding.tensor_shard import TensorShard
@@ -79,7 +79,7 @@ def local_sources(module: torch.nn.Module, arch: Architecture, layout: ParallelL
                   ) -> tuple[list[SourcePiece], list[SourcePiece]]:
     """The HF slices this rank's shards hold, with where each sits in its shard: (those of routed
     experts, split over ETP and EP; all others)."""
-    params = dict(module.named_parameters())
+    params = mapped_tensors(module, arch)
     experts, others = [], []
     for mapping in param_mappings(module, arch):
         shape = params[mapping.megatron_name].shape
@@ -170,7 +170,7 @@ class WeightSync:
         self.engine = engine
         self.rank = layout.rank
         itemsize = next(module.parameters()).element_size()
-        self.params = dict(module.named_parameters())
+        self.params = mapped_tensors(module, arch)
         own_shards = {name: (tuple(p.shape), p.dtype) for name, p in self.params.items()}
         experts, others = local_sources(module, arch, layout)
         replica = gather_replica((self.rank, others, own_shards), [layout.tp_group, layout.pp_group])

@@ -79,6 +79,8 @@ def test_expert_parallelism_needs_a_moe_model_and_fitting_experts():
 
 @pytest.mark.parametrize("change,needle", [
     ({"architectures": ["MistralForCausalLM"]}, "LlamaForCausalLM"),
+    ({"architectures": ["GptOssForCausalLM"]}, r"architectures=\['GptOssForCausalLM'\] is not supported; supported: .*Glm4MoeForCausalLM"),
+    ({"architectures": ["Qwen3NextForCausalLM"]}, "DeepseekV3ForCausalLM"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"use_sliding_window": True}, "use_sliding_window"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type must be one of"),
@@ -99,3 +101,61 @@ def test_layout_must_fit_the_model():
         check_layout_fits(arch, tp=1, pp=3)
     with pytest.raises(ValueError, match="actor.tp=4"):
         check_layout_fits(arch, tp=4, pp=1)
+
+
+# DeepSeek-V3's own config.json fields, at a tiny size.
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 101, "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+    "v_head_dim": 16, "n_routed_experts": 8, "n_shared_experts": 2, "num_experts_per_tok": 4, "n_group": 4,
+    "topk_group": 2, "moe_intermediate_size": 24, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "num_nextn_predict_layers": 1,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+}
+GLM4_MOE = dict(BASE, architectures=["Glm4MoeForCausalLM"], head_dim=16, attention_bias=True, use_qk_norm=True,
+                partial_rotary_factor=0.5, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                moe_intermediate_size=24, first_k_dense_replace=3, routed_scaling_factor=1.0, n_group=1, topk_group=1)
+
+
+def test_deepseek_v3_latent_attention_routing_and_dense_first_layers():
+    arch = architecture_from_hf(DEEPSEEK_V3)
+    assert (arch.family, arch.mla.q_lora_rank, arch.mla.kv_lora_rank, arch.mla.rope_head_dim, arch.head_dim) == (
+        "deepseek_v3", 48, 32, 8, 24)
+    assert (arch.router_score, arch.router_bias, arch.router_groups, arch.router_group_topk) == ("sigmoid", True, 4, 2)
+    assert (arch.routed_scaling_factor, arch.shared_expert_ffn_hidden_size, arch.shared_expert_gate) == (2.5, 48, False)
+    assert [arch.is_moe_layer(layer) for layer in range(4)] == [False, True, True, True]
+    assert arch.rope_type == "yarn" and arch.yarn.factor == 40 and arch.yarn.mscale_all_dim == 1.0
+    assert arch.mtp_layers == 1 and not arch.qkv_bias and not arch.qk_norm
+    moonlight = architecture_from_hf(dict(DEEPSEEK_V3, q_lora_rank=None, rope_scaling=None, n_group=1, topk_group=1))
+    assert moonlight.mla.q_lora_rank is None and moonlight.yarn is None and moonlight.router_groups == 1
+
+
+def test_glm4_moe_partial_rope_biases_and_qk_norm():
+    arch = architecture_from_hf(GLM4_MOE)
+    assert (arch.family, arch.rotary_percent, arch.qkv_bias, arch.qk_norm, arch.mla) == ("glm4_moe", 0.5, True, True, None)
+    assert arch.dense_layers == 3 and arch.router_bias and arch.shared_expert_ffn_hidden_size == 24
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"topk_group": 1}, "topk_group.*expected topk_group=2"),  # groups scored by their top 4, HF's by their top 2
+    ({"topk_method": "group_limited_greedy"}, "topk_method"),
+    ({"norm_topk_prob": False}, "norm_topk_prob"),
+    ({"rope_interleave": False}, "rope_interleave"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"rope_scaling": {"type": "llama3", "factor": 8.0}}, "rope_parameters"),
+])
+def test_deepseek_v3_variants_megatron_cannot_match_fail_naming_the_field(change, needle):
+    with pytest.raises(ValueError, match=needle) as error:
+        architecture_from_hf(dict(DEEPSEEK_V3, **change), source="m/config.json")
+    assert "m/config.json" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_latent_attention_layouts_split_heads_and_latents():
+    arch = architecture_from_hf(DEEPSEEK_V3)
+    check_layout_fits(arch, tp=4, pp=2, ep=8)
+    with pytest.raises(ValueError, match="actor.tp=8 must divide num_attention_heads=4"):
+        check_layout_fits(arch, tp=8, pp=1)
+    with pytest.raises(ValueError, match=r"actor.tp=3 must divide"):
+        check_layout_fits(arch, tp=3, pp=1)

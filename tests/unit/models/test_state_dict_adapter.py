@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarl.models.architecture import Architecture, padded_vocab_size
+from megarl.models.architecture import Architecture, LatentAttention, padded_vocab_size
 from megarl.models.state_dict_adapter import (
     ParamMapping,
     Piece,
@@ -137,3 +137,27 @@ def test_experts_split_over_expert_tensor_parallel_ranks():
     expert = ParamMapping("e", "row", ("down",), expert=True)
     assert tp_split(expert, layout) == (0, 1)
     assert tp_split(ParamMapping("d", "row", ("down",)), layout) == (1, 2)
+
+
+def test_latent_attention_names_and_splits():
+    # Query latent 6, key/value latent 4 + RoPE key 2: megatron's local layers split the down
+    # projections' rows over TP like the up projections'; Transformer Engine keeps them whole on every rank.
+    mla = Architecture(**{**vars(_moe("deepseek_v3")), "mla": LatentAttention(6, 4, 2, 2, 2), "router_bias": True})
+    layers = {0: 0}
+    down = param_mapping("decoder.layers.0.self_attention.linear_kv_down_proj.weight", mla, layers)
+    assert (down.kind, down.hf_names) == ("latent_down", ("model.layers.0.self_attn.kv_a_proj_with_mqa.weight",))
+    assert shard_pieces(down, mla, (3, 8), tp_rank=1, tp=2) == [Piece(down.hf_names[0], 0, 3, 6)]
+    assert shard_pieces(down, mla, (6, 8), tp_rank=1, tp=2) == [Piece(down.hf_names[0], 0, 0, 6)]
+    q_down = param_mapping("decoder.layers.0.self_attention.linear_q_down_proj.weight", mla, layers)
+    assert shard_pieces(q_down, mla, (6, 8), tp_rank=1, tp=2) == [Piece(q_down.hf_names[0], 0, 0, 6)]
+    up = param_mapping("decoder.layers.0.self_attention.linear_kv_up_proj.weight", mla, layers)
+    assert shard_pieces(up, mla, (8, 4), tp_rank=1, tp=2) == [Piece("model.layers.0.self_attn.kv_b_proj.weight", 0, 8, 16)]
+    norms = {n: param_mapping(f"decoder.layers.0.self_attention.{n}", mla, layers).hf_names[0]
+             for n in ("q_layernorm.weight", "kv_layernorm.weight", "linear_q_up_proj.layer_norm_weight")}
+    assert norms == {"q_layernorm.weight": "model.layers.0.self_attn.q_a_layernorm.weight",
+                     "kv_layernorm.weight": "model.layers.0.self_attn.kv_a_layernorm.weight",
+                     "linear_q_up_proj.layer_norm_weight": "model.layers.0.self_attn.q_a_layernorm.weight"}
+    bias = param_mapping("decoder.layers.0.mlp.router.expert_bias", mla, layers)
+    assert (bias.kind, bias.hf_names) == ("replicated", ("model.layers.0.mlp.gate.e_score_correction_bias",))
+    shared = param_mapping("decoder.layers.0.mlp.shared_experts.linear_fc2.weight", mla, layers)
+    assert shared.hf_names == ("model.layers.0.mlp.shared_experts.down_proj.weight",)
