@@ -41,6 +41,10 @@ TINY_MOE_MODELS = {
                     "--rope-factor", "4"],
     "deepseek-v3-no-q-lora-value": ["--family", "deepseek_v3", "--q-lora-rank", "0", "--value-model"],
     "glm4-moe": ["--family", "glm4_moe", "--no-tied", "--n-group", "2"],
+    # vLLM's CPU MLA decodes a latent of 576 only (kv_lora_rank 512 + qk_rope_head_dim 64), in bfloat16.
+    "deepseek-v3-latent-576": ["--family", "deepseek_v3", "--no-tied", "--n-group", "2", "--hidden-size", "256",
+                               "--num-layers", "2", "--kv-lora-rank", "512", "--qk-rope-head-dim", "64",
+                               "--q-lora-rank", "96"],
 }
 
 

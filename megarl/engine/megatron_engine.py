@@ -143,7 +143,7 @@ class MegatronEngine:
         if trainable:
             self._make_trainable(model_config, total_optimizer_steps)
             if self.arch.is_moe:
-                self.routing = RoutingStats(self.module, self.arch.num_layers, self.arch.num_experts)
+                self.routing = RoutingStats(self.module, self.arch)
                 self.rollout_routing = RoutingReplay(
                     self.routing.routers, router_replay, recomputes=config.recompute_activations,
                     sequence_parallel_rank=layout.tp_rank, sequence_parallel_size=self.sequence_multiple)

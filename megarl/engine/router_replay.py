@@ -50,7 +50,7 @@ class RoutingReplay:
         self.layers: list[_LayerReplay] = []
         for router in routers:
             assert not router.config.moe_router_fusion, "megatron's fused top-k never consults RouterReplay"
-            router.router_replay = _LayerReplay(self, router.layer_number - 1)  # every layer is an MoE layer
+            router.router_replay = _LayerReplay(self, router.layer_number - 1)  # routing has a row per layer
             self.layers.append(router.router_replay)
 
     def begin(self, has_routing: bool) -> None:

@@ -8,7 +8,9 @@ mini-batch (and over TP, whose sequence-parallel routers each see part of the to
 load is its busiest expert's tokens (`tokens_per_expert_max`) against the mean over experts
 (`tokens_per_expert_mean` = tokens x top-k / experts); `load_max_over_mean` is the worst layer's
 ratio (1 when every layer is perfectly balanced). The same counts drive aux-loss-free balancing
-(`model.moe.expert_bias`): megatron moves each expert's bias after the step from them.
+(`model.moe.expert_bias`): megatron moves each expert's bias after the step from them;
+`expert_bias_abs_mean` is the biases' mean magnitude after the step. Dense layers (DeepSeek-V3's and
+GLM-4.5's first ones) are left out of every metric.
 
 Router losses: megatron's routers record each layer's load-balancing loss and z-loss of every
 training micro-batch, without their coefficients, in megatron-core's layer-wise tracker
@@ -27,6 +29,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megarl import device
 from megarl.distributed import collectives
 from megarl.distributed.layout import ParallelLayout
+from megarl.models.architecture import Architecture
 
 
 def _counted_by_the_hook(routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None) -> None:
@@ -34,9 +37,12 @@ def _counted_by_the_hook(routing_map: torch.Tensor, padding_mask: torch.Tensor |
 
 
 class RoutingStats:
-    def __init__(self, module: torch.nn.Module, num_layers: int, num_experts: int):
-        """Hook the routers of `module` (this rank's pipeline stage of a model of `num_layers` layers)."""
+    def __init__(self, module: torch.nn.Module, arch: Architecture):
+        """Hook the routers of `module` (this rank's pipeline stage of a model of `arch`)."""
+        num_layers, num_experts = arch.num_layers, arch.num_experts
         self.num_layers = num_layers
+        self.moe_layers = [layer for layer in range(num_layers) if arch.is_moe_layer(layer)]
+        self.expert_bias = module.config.moe_router_enable_expert_bias
         self.sequence_parallel = module.config.sequence_parallel  # each TP rank routes its part of the tokens
         self.tokens_LE = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device.compute_device())
         self.weight = 1.0
@@ -90,12 +96,19 @@ class RoutingStats:
             collectives.all_reduce(totals, group=group)
         tokens_LE = totals[: self.tokens_LE.numel()].view_as(self.tokens_LE).cpu()
         losses_KL = totals[self.tokens_LE.numel() : -1].view_as(losses_KL).cpu() / totals[-1].item()
+        tokens_LE, losses_KL = tokens_LE[self.moe_layers], losses_KL[:, self.moe_layers]
         metrics = {}
-        for layer, tokens_E in enumerate(tokens_LE):
+        for layer, tokens_E in zip(self.moe_layers, tokens_LE):
             metrics[f"moe/layer{layer}/tokens_per_expert_max"] = float(tokens_E.max())
             metrics[f"moe/layer{layer}/tokens_per_expert_mean"] = float(tokens_E.mean())
         metrics["moe/load_max_over_mean"] = float((tokens_LE.max(1).values / tokens_LE.mean(1).clamp(min=1e-9)).max())
         for name, losses_L in zip(names, losses_KL):
             metrics[f"moe/{name}"] = float(losses_L.mean())
-            metrics.update({f"moe/layer{layer}/{name}": float(loss) for layer, loss in enumerate(losses_L)})
+            metrics.update({f"moe/layer{layer}/{name}": float(loss) for layer, loss in zip(self.moe_layers, losses_L)})
+        if self.expert_bias:  # a stage of dense layers alone holds none, but joins the sum
+            bias_sum = torch.zeros(1, dtype=torch.float64, device=self.tokens_LE.device)
+            for router in self.routers:
+                bias_sum += router.expert_bias.abs().sum().double()
+            collectives.all_reduce(bias_sum, group=layout.pp_group)  # each stage holds its layers' biases
+            metrics["moe/expert_bias_abs_mean"] = float(bias_sum) / (len(self.moe_layers) * tokens_LE.shape[1])
         return metrics

@@ -52,22 +52,22 @@ class RolloutOutput:
     finish_reasons: list[str] = field(default_factory=list)
     """"stop" (a stop token or EOS) or "length"."""
     routed_experts: list[torch.Tensor] = field(default_factory=list)
-    """Mixture-of-experts engines: the (P + R - 1, num MoE layers, top-k) int16 expert ids each token
+    """Mixture-of-experts engines: the (P + R - 1, num layers, top-k) int16 expert ids each token
     of prompt + response was routed to (all but the last response token, which the engine never
-    ran); empty for dense models."""
+    ran; zeros in a dense layer's rows); empty for dense models."""
 
 
 def routed_experts_shape(hf_config) -> tuple[int, int] | None:
-    """(MoE layers, experts per token) of the routing an engine records for a model of this HF config
-    (every layer of the supported MoE families is an MoE layer, `megarl.models.architecture`); None for
-    a dense model."""
+    """(layers, experts per token) of the routing an engine records for a model of this HF config (a
+    row per decoder layer, dense first layers included, as megatron numbers its routers); None for a
+    dense model."""
     experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
     return (hf_config.num_hidden_layers, hf_config.num_experts_per_tok) if experts else None
 
 
 class RolloutEngine(Protocol):
     routed_experts_shape: tuple[int, int] | None
-    """(MoE layers, experts per token) of the routing each output carries; None for dense models."""
+    """(layers, experts per token) of the routing each output carries; None for dense models."""
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> RolloutOutput: ...
 

@@ -35,13 +35,14 @@ class HFRollout:
         self.guard = WeightUpdateGuard(has_weights=not dummy_weights)
         self.places: dict[str, torch.Tensor] | None = None
         """Where the last complete load copied each tensor."""
-        self.routed: list[list[torch.Tensor]] = []  # per layer, the (tokens, k) indices of each forward
+        self.routed: dict[int, list[torch.Tensor]] = {}  # per MoE layer, the (tokens, k) indices of each forward
         self.routed_experts_shape = routed_experts_shape(self.model.config)
         if self.routed_experts_shape is not None:
-            self.routed = [[] for _ in self.model.model.layers]
             for layer, decoder_layer in enumerate(self.model.model.layers):
-                decoder_layer.mlp.gate.register_forward_hook(
-                    lambda module, args, output, layer=layer: self.routed[layer].append(output[2]))
+                if hasattr(decoder_layer.mlp, "gate"):  # not a dense first layer (DeepSeek-V3, GLM-4.5)
+                    self.routed[layer] = []
+                    decoder_layer.mlp.gate.register_forward_hook(
+                        lambda module, args, output, layer=layer: self.routed[layer].append(output[2]))
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> RolloutOutput:
@@ -61,8 +62,12 @@ class HFRollout:
 
     def _take_routing(self) -> torch.Tensor:
         """(P + R - 1, L, k) int16 experts of the sequence just sampled (every position it fed)."""
-        routing = torch.stack([torch.cat(forwards) for forwards in self.routed], 1).short().cpu()
-        for forwards in self.routed:
+        layers = {layer: torch.cat(forwards) for layer, forwards in self.routed.items()}
+        tokens = next(iter(layers.values())).shape[0]
+        routing = torch.zeros(tokens, *self.routed_experts_shape, dtype=torch.int16)
+        for layer, ids in layers.items():
+            routing[:, layer] = ids.short().cpu()
+        for forwards in self.routed.values():
             forwards.clear()
         return routing
 

@@ -55,6 +55,7 @@ def _preserve_process_state():
 
 
 _RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+_INPLACE_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.inplace"
 
 
 class _NothingToReload(logging.Filter):
@@ -74,6 +75,17 @@ class _NothingToReload(logging.Filter):
             return True
         layer = record.args[0]
         return not (layer.endswith("RotaryEmbedding") or (self.tied_lm_head and layer == "ParallelLMHead"))
+
+
+class _DerivedAfterLoading(logging.Filter):
+    """Drops vLLM's "Following weights were not loaded from checkpoint" when the weights it names are
+    multi-latent attention's W_UK_T and W_UV alone: no checkpoint has them; MLA's processing derives
+    them from the freshly loaded kv_b_proj after every load, reloads included."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.msg.startswith("Following weights were not loaded from checkpoint"):
+            return True
+        return not all(name.endswith((".W_UK_T", ".W_UV")) for name in record.args[0])
 
 
 CPU_BLOCK_GRANULE, CPU_DEFAULT_BLOCK = 32, 128
@@ -129,6 +141,7 @@ class VLLMRollout:
         self.guard = WeightUpdateGuard(has_weights=not dummy_weights)
         tied = self.llm.llm_engine.model_config.hf_config.tie_word_embeddings
         logging.getLogger(_RELOAD_LOGGER).addFilter(_NothingToReload(tied_lm_head=bool(tied)))
+        logging.getLogger(_INPLACE_RELOAD_LOGGER).addFilter(_DerivedAfterLoading())
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> RolloutOutput:
         from vllm import SamplingParams, TokensPrompt

@@ -37,12 +37,13 @@ parser.add_argument("--pp", type=int, default=1)
 parser.add_argument("--ep", type=int, default=1)
 parser.add_argument("--etp", type=int, default=0, help="expert tensor-parallel size; 0: as --tp")
 parser.add_argument("--engine-tp", type=int, default=1)
+parser.add_argument("--dtype", default="float32", help="of training and both engines")
 args = parser.parse_args()
 
 layout = init_layout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
 rank = dist.get_rank()
 report = {}
-actor = make_actor(layout, args.hf)
+actor = make_actor(layout, args.hf, args.dtype)
 
 
 class ReloadCounter(logging.Handler):
@@ -54,10 +55,11 @@ class ReloadCounter(logging.Handler):
         super().__init__()
         self.model, self.reloads, self.direct_loads, self.processed, self.warnings = model, 0, 0, Counter(), []
         self.originals = (inplace.initialize_layerwise_reload, layerwise._layerwise_process,
-                          vllm_direct_load.DirectLoader.load, vllm_direct_load._write)
+                          layerwise._finalize_attention_layer, vllm_direct_load.DirectLoader.load,
+                          vllm_direct_load._write)
 
     def __enter__(self):
-        initialize, process, direct_load, write = self.originals
+        initialize, process, finalize_attention, direct_load, write = self.originals
 
         def counted_initialize(model):
             self.reloads += 1
@@ -66,6 +68,10 @@ class ReloadCounter(logging.Handler):
         def counted_process(layer, info):
             self.processed[id(layer)] += 1
             return process(layer, info)
+
+        def counted_finalize_attention(layer, info, model_config):  # attention layers (MLA's) last
+            self.processed[id(layer)] += 1
+            return finalize_attention(layer, info, model_config)
 
         def counted_direct_load(loader, weights):
             self.direct_loads += 1
@@ -76,12 +82,13 @@ class ReloadCounter(logging.Handler):
             return write(layer, parts)
 
         inplace.initialize_layerwise_reload, layerwise._layerwise_process = counted_initialize, counted_process
+        layerwise._finalize_attention_layer = counted_finalize_attention
         vllm_direct_load.DirectLoader.load, vllm_direct_load._write = counted_direct_load, counted_write
         logging.getLogger(layerwise.__name__).addHandler(self)
         return self
 
     def __exit__(self, *exc):
-        (inplace.initialize_layerwise_reload, layerwise._layerwise_process,
+        (inplace.initialize_layerwise_reload, layerwise._layerwise_process, layerwise._finalize_attention_layer,
          vllm_direct_load.DirectLoader.load, vllm_direct_load._write) = self.originals
         logging.getLogger(layerwise.__name__).removeHandler(self)
 
@@ -133,9 +140,9 @@ def count_bucket_allocations(sync) -> list[int]:
 
 
 train_step(actor, [[7, 8, 9, 10]] * 4)
-vllm = VLLMRollout(args.hf, "float32", args.engine_tp, max_model_len=128, kv_cache_bytes=32 << 20,
+vllm = VLLMRollout(args.hf, args.dtype, args.engine_tp, max_model_len=128, kv_cache_bytes=32 << 20,
                    gpu_memory_utilization=0.3, seed=0)
-reference = HFRollout(args.hf, "float32")
+reference = HFRollout(args.hf, args.dtype)
 # Buckets of 256 KiB: several even where a rank allocates no more than its q, k and v (128 KiB a layer):
 # at TP1 it lends the engine every tensor it holds whole in one piece.
 BUCKET_BYTES = 1 << 18
@@ -154,7 +161,9 @@ export_hf(actor.module, actor.arch, layout, args.out, args.hf)
 # Bit-identity: everything the `hf` engine holds, and vLLM's tensors that CPU kernels do not repack.
 exported = read_safetensors(args.out)
 hf_state = reference.model.state_dict()
-report["hf_engine_bit_identical"] = all(torch.equal(checkpoint_tensor(hf_state, n), t) for n, t in exported.items())
+# In the engine's dtype: a bfloat16 model's torch norms keep float32 weights, which the engines cast.
+report["hf_engine_bit_identical"] = all(torch.equal(engine := checkpoint_tensor(hf_state, n), t.to(engine.dtype))
+                                        for n, t in exported.items())
 
 
 def engine_params(worker):
@@ -168,7 +177,7 @@ report["vllm_plain_tensors_checked"] = len(plain)
 # compare the rows engine rank 0 holds.
 def leading_rows_equal(engine_tensor, exported_tensor):
     rows = min(engine_tensor.shape[0], exported_tensor.shape[0])
-    return torch.equal(engine_tensor[:rows], exported_tensor[:rows])
+    return torch.equal(engine_tensor[:rows], exported_tensor[:rows].to(engine_tensor.dtype))
 
 
 report["vllm_plain_bit_identical"] = all(leading_rows_equal(vllm_params[n], exported[n]) for n in plain)
@@ -200,7 +209,7 @@ def experts_equal(name: str) -> bool:
                           for a, b in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")))
         width = stacked.shape[-1] if name.endswith("w2_weight") else stacked.shape[1] // 2
         expected.append(down[:, :width] if name.endswith("w2_weight") else torch.cat([gate[:width], up[:width]]))
-    expected = torch.stack(expected)
+    expected = torch.stack(expected).to(stacked.dtype)
     isa = experts_isa.get(name.rsplit(".", 1)[0])
     if isa is not None:
         from vllm._custom_ops import cpu_prepack_moe_weight
@@ -267,14 +276,18 @@ report["after_failed_generation_equal"] = (
 
 # A failed sync: the load raises; the layers it had only begun are put back as they were, and the
 # engine refuses to generate, naming the step, until a sync succeeds. The load first hands over a
-# new q_proj (half of layer 0's fused qkv_proj: buffered, not applied), then a norm weight of the
-# wrong shape (a complete layer: its loader rejects it).
+# new q_proj (half of layer 0's fused qkv_proj: buffered, not applied; with multi-latent attention
+# q_a_proj, whole on every engine rank, half of the fused down projections), then a norm weight of
+# the wrong shape (a complete layer: its loader rejects it).
 before = vllm.generate(PROMPTS, greedy)
-q_proj = exported["model.layers.0.self_attn.q_proj.weight"]
-new_q = torch.randn(q_proj.shape[0] // args.engine_tp, q_proj.shape[1], generator=generator)
+q_name = next(f"model.layers.0.self_attn.{n}.weight" for n in ("q_proj", "q_a_proj")
+              if f"model.layers.0.self_attn.{n}.weight" in exported)
+q_proj = exported[q_name]
+new_q = torch.randn(q_proj.shape[0] // (args.engine_tp if "q_proj" in q_name else 1), q_proj.shape[1],
+                    generator=generator).to(q_proj.dtype)
 vllm.begin_weight_update(7)
 try:
-    vllm.load_weights([("model.layers.0.self_attn.q_proj.weight", new_q),
+    vllm.load_weights([(q_name, new_q),
                        ("model.layers.0.input_layernorm.weight", torch.zeros(3))])
     report["failed_load_error"] = ""
 except Exception as error:  # whatever vLLM's loader raises: the test checks which

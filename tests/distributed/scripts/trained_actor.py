@@ -17,8 +17,8 @@ generator = torch.Generator().manual_seed(1)
 PROMPTS = [torch.randint(5, 100, (n,), generator=generator).tolist() for n in (5, 9, 3, 7)]
 
 
-def make_actor(layout: ParallelLayout, hf_dir: str) -> MegatronEngine:
-    return MegatronEngine(layout, ModelConfig(path=hf_dir), EngineConfig(micro_batch_size_per_rank=4,
+def make_actor(layout: ParallelLayout, hf_dir: str, dtype: str = "float32") -> MegatronEngine:
+    return MegatronEngine(layout, ModelConfig(path=hf_dir, dtype=dtype), EngineConfig(micro_batch_size_per_rank=4,
                           optim=OptimizerConfig(lr=3e-3)), total_optimizer_steps=4)
 
 
