@@ -124,7 +124,8 @@ MOE_SCRIPT = ROOT / "tests/distributed/scripts/moe_engine_checks.py"
 def moe_run(tiny_moe_models, tmp_path_factory):
     out = tmp_path_factory.mktemp("moe")
     result = torchrun(2, MOE_SCRIPT, "--policy", tiny_moe_models["qwen3-moe"],
-                      "--value", tiny_moe_models["qwen2-moe-value"], "--out", out)
+                      "--value", tiny_moe_models["qwen2-moe-value"], "--sigmoid-policy", tiny_moe_models["deepseek-v3"],
+                      "--out", out)
     assert_succeeded(result)
     line = next(line for line in result.stdout.splitlines() if line.startswith("REPORT "))
     return json.loads(line.removeprefix("REPORT ")), out
@@ -240,3 +241,24 @@ def test_router_replay_routes_every_recorded_token_as_the_rollout_did(moe_run):
         assert other["moe/routing_agreement"] == pytest.approx(replayed["moe/routing_agreement"], abs=1e-12)
         assert other["loss"] == pytest.approx(replayed["loss"], abs=1e-5)  # seen 1e-6 apart: sums in another order
         assert other["grad_norm"] == pytest.approx(replayed["grad_norm"], rel=1e-5)
+
+
+def test_sigmoid_router_replays_the_rollout_and_balances_from_the_checkpoints_bias(moe_run):
+    report, _ = moe_run
+    own, replayed = report["sigmoid_own_routing"], report["sigmoid_replayed"]
+    # DeepSeek-V3: 3 MoE layers after the dense first one; routing by sigmoid scores, bias and groups.
+    recorded = 3 * sum(n - 1 for n in (15, 15, 14, 19, 7, 11, 11, 16))
+    assert own["recorded"] == replayed["recorded"] == recorded
+    assert 0 < own["differing"] < recorded / 2 and replayed["differing"] == 0
+    assert own["moe/routing_agreement"] == pytest.approx(1 - own["differing"] / recorded, abs=1e-12)
+    # The checkpoint's correction bias is loaded (non-zero) and stays without aux-loss-free balancing; with it,
+    # each expert's bias moves by the update rate (or not at all, for an expert at exactly the mean load).
+    fixed, balanced = report["sigmoid_bias_fixed"], report["sigmoid_bias_balanced"]
+    before = torch.tensor(fixed["before"])
+    assert before.abs().min() > 0 and torch.equal(torch.tensor(fixed["after"]), before)
+    moved = torch.tensor(balanced["after"]) - torch.tensor(balanced["before"])
+    assert torch.equal(torch.tensor(balanced["before"]), before)
+    assert ((moved.abs() - 1e-3).abs() < 1e-6).float().mean() > 0.5 and (moved.abs() <= 1e-3 + 1e-6).all()
+    assert balanced["moe/expert_bias_abs_mean"] == pytest.approx(torch.tensor(balanced["after"]).abs().mean().item())
+    assert fixed["moe/expert_bias_abs_mean"] == pytest.approx(before.abs().mean().item())
+    assert "moe/layer0/tokens_per_expert_max" not in fixed and "moe/layer1/tokens_per_expert_max" in fixed

@@ -17,6 +17,9 @@ Phases, each after `init_layout` at its EP size:
    but each sequence's last): one step at EP2 without replay, one with replay, and one with replay
    at PP2 (DP1) with full recomputation, whose 1F1B schedule recomputes micro-batch 0 after micro-batch
    1's forward. A hook on the routers records the routing each training forward used.
+5. The sigmoid router of DeepSeek-V3 (--sigmoid-policy: correction bias, expert groups, a dense first
+   layer) at EP2: replay as in 4; and its checkpoint's correction bias after one step, fixed by default
+   and moved by aux-loss-free balancing with `expert_bias`.
 
 The reference (every rank, whole batch) is a `transformers` forward and backward of the same loss
 written out by hand: the policy loss normalised by the batch's response tokens, plus each
@@ -175,17 +178,23 @@ def resumed_steps(layout, policy, directory, batch):
 
 
 def hf_routing(model_dir):
-    """(8, 24, L, k) int16: the experts `transformers` routes each token to (its top-k router logits),
-    for all positions but each sequence's last, as a rollout engine records them; experts 0..k-1 elsewhere."""
+    """(8, 24, L, k) int16: the experts `transformers` routes each token to (the indices each MoE layer's
+    router returns), for all positions but each sequence's last, as a rollout engine records them;
+    experts 0..k-1 elsewhere and in dense layers."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     num_layers, topk = model.config.num_hidden_layers, model.config.num_experts_per_tok
     routed = torch.arange(topk, dtype=torch.int16).repeat(8, tokens.shape[1], num_layers, 1)
+    chosen = {}
+    for layer, decoder_layer in enumerate(model.model.layers):
+        if hasattr(decoder_layer.mlp, "gate"):
+            decoder_layer.mlp.gate.register_forward_hook(
+                lambda module, args, output, layer=layer: chosen.__setitem__(layer, output[2]))
     with torch.no_grad():
         for i in range(8):
             length = int(lengths[i])
-            router_logits = model(tokens[i : i + 1, :length], output_router_logits=True).router_logits
-            for layer, logits_NE in enumerate(router_logits):
-                routed[i, : length - 1, layer] = logits_NE.view(length, -1)[: length - 1].topk(topk).indices.short()
+            model(tokens[i : i + 1, :length])
+            for layer, ids_NK in chosen.items():
+                routed[i, : length - 1, layer] = ids_NK[: length - 1].short()
     return routed
 
 
@@ -239,6 +248,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--policy", required=True)
     parser.add_argument("--value", required=True, help="an MoE value model")
+    parser.add_argument("--sigmoid-policy", required=True, help="a DeepSeek-V3 model")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     out = Path(args.out)
@@ -307,6 +317,18 @@ def main():
     report["replayed"] = replay_step(layout, args.policy, routed.select(share), replay=True)
     report["replayed_pp2"] = replay_step(init_layout(pp=2), args.policy, routed, replay=True, recompute=True)
     report["replayed_tp2ep2"] = replay_step(init_layout(tp=2, ep=2, etp=1), args.policy, routed, replay=True)
+
+    # Phase 5 (EP2): DeepSeek-V3's sigmoid router with its correction bias and groups.
+    layout = init_layout(ep=2)
+    sigmoid_routed = replace(routed, routed_experts_BTLK=hf_routing(args.sigmoid_policy))
+    report["sigmoid_own_routing"] = replay_step(layout, args.sigmoid_policy, sigmoid_routed.select(share), replay=False)
+    report["sigmoid_replayed"] = replay_step(layout, args.sigmoid_policy, sigmoid_routed.select(share), replay=True)
+    for name, moe in (("sigmoid_bias_fixed", moe_losses), ("sigmoid_bias_balanced", MoEConfig(expert_bias=True))):
+        sigmoid = engine(layout, args.sigmoid_policy, moe)
+        before = [router.expert_bias.tolist() for router in sigmoid.routing.routers]
+        metrics, _ = sigmoid.train_mini_batch(batch, policy_loss, temperature=TEMPERATURE)
+        report[name] = dict(metrics, before=before, after=[router.expert_bias.tolist()
+                                                           for router in sigmoid.routing.routers])
 
     reference_step = reference(args.policy, layout.dp)
     report["reference"] = {name: value.tolist() if torch.is_tensor(value) else value
