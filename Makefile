@@ -7,7 +7,7 @@ OUT := outputs/quickstart
 TORCHRUN := $(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=2
 export OMP_NUM_THREADS := 1
 
-.PHONY: quickstart moe-quickstart opd-quickstart agent-quickstart test install docker-check gpu-wheels clean
+.PHONY: quickstart moe-quickstart mla-quickstart opd-quickstart agent-quickstart test install docker-check gpu-wheels clean
 
 # The main job on the embedded default: a tiny Qwen2 and its tokenizer made here, synthetic "a+b="
 # tasks, a short SFT warm start, then GRPO on 2 CPU processes (curves in $(OUT)/quickstart_grpo).
@@ -24,6 +24,17 @@ moe-quickstart: $(INSTALLED)
 	$(PYTHON) -m megarl.data.synthetic --task arithmetic --out-dir outputs/moe_quickstart/data --num-train 20000 --num-test 500 --seed 0
 	$(TORCHRUN) launchers/train_sft.py --config configs/moe_quickstart_sft.yaml
 	$(TORCHRUN) launchers/train_ppo.py --config configs/moe_quickstart.yaml
+
+# The same job with a tiny DeepSeek-V3 (multi-latent attention with a 576-wide latent, a dense first layer, 8 experts
+# of 192 routed by sigmoid scores with a correction bias) at EP2, rollouts from the `hf` engine (curves in
+# outputs/mla_quickstart/mla_quickstart_grpo).
+mla-quickstart: $(INSTALLED)
+	$(PYTHON) checkpoints_tools/make_tiny_model.py --family deepseek_v3 --hidden-size 256 --num-layers 3 \
+		--kv-lora-rank 512 --qk-rope-head-dim 64 --q-lora-rank 96 --moe-ffn-hidden-size 192 --no-tied \
+		--out outputs/mla_quickstart/base
+	$(PYTHON) -m megarl.data.synthetic --task arithmetic --out-dir outputs/mla_quickstart/data --num-train 20000 --num-test 500 --seed 0
+	$(TORCHRUN) launchers/train_sft.py --config configs/mla_quickstart_sft.yaml
+	$(TORCHRUN) launchers/train_ppo.py --config configs/mla_quickstart.yaml
 
 # On-policy distillation on the quick start's task, after `make quickstart` (its SFT model is the student):
 # the quick start's GRPO run again, saved at its last step and exported, is the teacher; then OPD from the

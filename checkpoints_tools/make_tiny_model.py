@@ -22,7 +22,7 @@ DeepSeek-V3 and GLM-4.5 route by sigmoid scores with a correction bias (random a
 real checkpoints: a zero bias would hide a wrong sign or a missing term) within --n-group groups, have
 one shared expert and --dense-layers dense first layers. DeepSeek-V3 has multi-latent attention
 (--q-lora-rank 0: no query latent, as Moonlight; --rope-type yarn for YaRN); GLM-4.5 has q/k/v biases,
-qk-norm and RoPE on half of each head.
+qk-norm and RoPE on half of each head. DeepSeek-V2 is DeepSeek-V3 with softmax routing (greedy, no bias).
 
     python checkpoints_tools/make_tiny_model.py --family deepseek_v3 --out outputs/tiny_deepseek_v3
 """
@@ -64,7 +64,8 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
-               "qwen2_moe": "qwen2_moe", "mixtral": "mixtral", "deepseek_v3": "deepseek_v3", "glm4_moe": "glm4_moe"}
+               "qwen2_moe": "qwen2_moe", "mixtral": "mixtral", "deepseek_v3": "deepseek_v3", "glm4_moe": "glm4_moe",
+               "deepseek_v2": "deepseek_v2"}
 
 
 def make_tokenizer(bos: bool = False) -> PreTrainedTokenizerFast:
@@ -128,12 +129,13 @@ def moe_fields(args) -> dict:
         return dict(num_experts=args.num_experts, num_experts_per_tok=args.top_k,
                     moe_intermediate_size=args.moe_ffn_hidden_size, norm_topk_prob=args.family == "qwen3_moe",
                     decoder_sparse_step=1, mlp_only_layers=[], **shared)
-    if args.family in ("deepseek_v3", "glm4_moe"):
+    if args.family in ("deepseek_v3", "glm4_moe", "deepseek_v2"):
         fields = dict(n_routed_experts=args.num_experts, num_experts_per_tok=args.top_k,
-                      moe_intermediate_size=args.moe_ffn_hidden_size, n_shared_experts=1, norm_topk_prob=True,
+                      moe_intermediate_size=args.moe_ffn_hidden_size, n_shared_experts=1,
+                      norm_topk_prob=args.family != "deepseek_v2",
                       n_group=args.n_group, topk_group=max(1, args.top_k // 2) if args.n_group > 1 else 1,
                       routed_scaling_factor=args.routed_scaling_factor, first_k_dense_replace=args.dense_layers,
-                      topk_method="noaux_tc", num_nextn_predict_layers=0)
+                      topk_method="greedy" if args.family == "deepseek_v2" else "noaux_tc", num_nextn_predict_layers=0)
         if args.family == "glm4_moe":
             return dict(fields, attention_bias=True, use_qk_norm=True, num_mtp_layers=0)
         head_dim = args.hidden_size // args.num_heads

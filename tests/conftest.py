@@ -31,7 +31,7 @@ TINY_MODELS = {
 # weights, Qwen2-MoE does not and has a gated shared expert; plus an untied model and a value model.
 # DeepSeek-V3 (multi-latent attention, YaRN) and GLM-4.5 (partial RoPE, q/k/v biases, qk-norm) route by
 # sigmoid scores with non-zero correction biases in two expert groups, after a dense first layer; a
-# DeepSeek-V3 value model without the query latent (as Moonlight).
+# DeepSeek-V3 value model without the query latent (as Moonlight); DeepSeek-V2's softmax routing.
 TINY_MOE_MODELS = {
     "qwen3-moe": ["--family", "qwen3_moe"],
     "qwen2-moe": ["--family", "qwen2_moe"],
@@ -41,6 +41,7 @@ TINY_MOE_MODELS = {
                     "--rope-factor", "4"],
     "deepseek-v3-no-q-lora-value": ["--family", "deepseek_v3", "--q-lora-rank", "0", "--value-model"],
     "glm4-moe": ["--family", "glm4_moe", "--no-tied", "--n-group", "2"],
+    "deepseek-v2": ["--family", "deepseek_v2", "--no-tied"],  # softmax routing, scaled, not renormalised
     # vLLM's CPU MLA decodes a latent of 576 only (kv_lora_rank 512 + qk_rope_head_dim 64), in bfloat16.
     "deepseek-v3-latent-576": ["--family", "deepseek_v3", "--no-tied", "--n-group", "2", "--hidden-size", "256",
                                "--num-layers", "2", "--kv-lora-rank", "512", "--qk-rope-head-dim", "64",

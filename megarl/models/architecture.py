@@ -1,6 +1,7 @@
 """The decoder architecture read from a HuggingFace config: Llama, Qwen2, Qwen3, their
 mixture-of-experts relatives Qwen3-MoE, Qwen2-MoE and Mixtral, and the frontier MoE families
-DeepSeek-V3 (DeepSeek-V3/V3.1/R1, Kimi-K2, Moonlight) and GLM-4.5 (GLM-4.5/4.6/4.7, GLM-4.5-Air).
+DeepSeek-V3 (DeepSeek-V3/V3.1/R1, Kimi-K2, Moonlight; DeepSeek-V2 differs in routing alone) and GLM-4.5
+(GLM-4.5/4.6/4.7, GLM-4.5-Air).
 
 One `Architecture` describes everything megarl needs to build the megatron-core model and to map
 weights both ways. The families differ only in a few switches:
@@ -16,6 +17,8 @@ weights both ways. The families differ only in a few switches:
   first `first_k_dense_replace` layers dense, then sigmoid routing whose choice (not weights) adds a
   per-expert correction bias, limited to the best `topk_group` of `n_group` expert groups, weights
   renormalised and scaled by `routed_scaling_factor`, plus always-on shared experts.
+- DeepSeek-V2: DeepSeek-V3 with softmax routing (`topk_method: greedy`): the chosen experts' entries
+  of the softmax over all experts, scaled, not renormalised; no correction bias.
 - GLM-4.5: grouped-query attention with q/k/v biases, optional qk-norm and RoPE on part of each head
   (`partial_rotary_factor`), with DeepSeek-V3's routing, shared experts and dense first layers.
 Multi-token-prediction layers of either (`num_nextn_predict_layers`) are not loaded: RL trains the
@@ -45,11 +48,13 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForTokenClassification": ("mixtral", True),
     "DeepseekV3ForCausalLM": ("deepseek_v3", False),
     "DeepseekV3ForTokenClassification": ("deepseek_v3", True),
+    "DeepseekV2ForCausalLM": ("deepseek_v2", False),
     "Glm4MoeForCausalLM": ("glm4_moe", False),
 }
 HF_CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
-                   "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral", "deepseek_v3": "DeepseekV3", "glm4_moe": "Glm4Moe"}
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe")
+                   "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral", "deepseek_v3": "DeepseekV3", "glm4_moe": "Glm4Moe",
+                   "deepseek_v2": "DeepseekV2"}
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe", "deepseek_v2")
 SIGMOID_ROUTED_FAMILIES = ("deepseek_v3", "glm4_moe")
 
 # megatron-core implements llama3 scaling with these constants only (rotary_pos_embedding.py).
@@ -189,7 +194,7 @@ def architecture_from_hf(config: dict, source: str = "config.json") -> Architect
     heads = config["num_attention_heads"]
     rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    mla = _latent_attention(config, unsupported) if family == "deepseek_v3" else None
+    mla = _latent_attention(config, unsupported) if family in ("deepseek_v3", "deepseek_v2") else None
     if rope_type not in ("default", "linear", "llama3") and not (mla and rope_type == "yarn"):
         unsupported("rope_parameters", "rope_type must be one of default, linear, llama3 (and yarn with "
                     "multi-latent attention)")
@@ -255,6 +260,8 @@ def _moe_fields(config: dict, family: str, unsupported) -> dict:
         unsupported("router_jitter_noise", "expected 0 (megatron's router has no jitter of this kind)")
     if family in SIGMOID_ROUTED_FAMILIES:
         return _sigmoid_routed_moe_fields(config, unsupported)
+    if family == "deepseek_v2":
+        return _deepseek_v2_moe_fields(config, unsupported)
     shared = (config.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0
     return dict(
         num_experts=config.get("num_experts") or config["num_local_experts"],
@@ -291,6 +298,25 @@ def _sigmoid_routed_moe_fields(config: dict, unsupported) -> dict:
         router_bias=True,
         router_groups=groups,
         router_group_topk=group_topk,
+        routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+        dense_layers=config.get("first_k_dense_replace", 0),
+    )
+
+
+def _deepseek_v2_moe_fields(config: dict, unsupported) -> dict:
+    """DeepSeek-V2's routing as transformers computes it: softmax over all experts, the top-k entries
+    scaled by `routed_scaling_factor`, never renormalised."""
+    if config.get("topk_method", "greedy") != "greedy":
+        unsupported("topk_method", "expected 'greedy' (megatron-core scores a group by the sum of its top "
+                    "scores, DeepSeek-V2's group_limited_greedy by its best one)")
+    if config.get("norm_topk_prob"):
+        unsupported("norm_topk_prob", "expected false (transformers' DeepSeek-V2 ignores it, vLLM applies it)")
+    return dict(
+        num_experts=config["n_routed_experts"],
+        moe_topk=config["num_experts_per_tok"],
+        moe_ffn_hidden_size=config["moe_intermediate_size"],
+        shared_expert_ffn_hidden_size=config["moe_intermediate_size"] * (config.get("n_shared_experts") or 0),
+        moe_norm_topk_prob=False,
         routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
         dense_layers=config.get("first_k_dense_replace", 0),
     )

@@ -124,13 +124,14 @@ def resolve_layer_spec(layer_spec: str, shared_prompts: bool = False) -> str:
     return layer_spec
 
 
-def fused_kernels(layer_spec: str, tp: int, is_moe: bool = False) -> dict[str, bool]:
+def fused_kernels(layer_spec: str, tp: int, is_moe: bool = False, rope_fusable: bool = True) -> dict[str, bool]:
     """megatron-core's speed features, on where they run (`layer_spec` resolved):
 
     - SwiGLU and bias-dropout-add fusions: megatron's own jit-fused functions, on CUDA;
     - RoPE fusion: Transformer Engine's kernels (BSHD and THD), with TE's layers; unfused RoPE on
       packed THD micro-batches syncs with the host in every layer. The local layers keep megatron's
-      unfused RoPE on every device, which takes per-row positions (`share_prompt_forward`);
+      unfused RoPE on every device, which takes per-row positions (`share_prompt_forward`). Not
+      `rope_fusable`: multi-latent attention without YaRN, whose RoPE megatron-core does not fuse;
     - gradient-accumulation fusion: TE's layers accumulate weight gradients straight into the
       fp32 `main_grad` buffers; megatron's own output layer then needs Apex's extension for it
       (`device.gradient_accumulation_fusion`), without which megatron refuses to build the model;
@@ -145,7 +146,7 @@ def fused_kernels(layer_spec: str, tp: int, is_moe: bool = False) -> dict[str, b
     return {
         "bias_activation_fusion": cuda,
         "bias_dropout_fusion": cuda,
-        "apply_rope_fusion": te_layers,
+        "apply_rope_fusion": te_layers and rope_fusable,
         "gradient_accumulation_fusion": te_layers and device.gradient_accumulation_fusion(),
         "sequence_parallel": tp > 1 and (te_layers or is_moe),
     }
@@ -208,7 +209,7 @@ def transformer_config(
         use_cpu_initialization=not device.cuda(),
         masked_softmax_fusion=False,
         persist_layer_norm=False,
-        **fused_kernels(layer_spec, layout.tp, arch.is_moe),
+        **fused_kernels(layer_spec, layout.tp, arch.is_moe, rope_fusable=arch.mla is None or arch.yarn is not None),
         **vars(schedule),
         **moe_transformer_fields(arch, layout, moe, layer_spec),
         **attention_fields,

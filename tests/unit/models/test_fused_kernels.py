@@ -54,6 +54,14 @@ def test_speed_features_follow_the_device_and_layers(monkeypatch, cuda, te, grad
     assert builder.fused_kernels(layer_spec, tp, moe) == {**OFF, **dict.fromkeys(on, True)}
 
 
+def test_latent_attention_fuses_yarn_rope_only(monkeypatch):
+    """megatron-core's MLA refuses RoPE fusion without YaRN (Moonlight, DeepSeek-V2-Lite) at config time."""
+    monkeypatch.setattr(device, "cuda", lambda: True)
+    monkeypatch.setattr(device, "gradient_accumulation_fusion", lambda: True)
+    assert not builder.fused_kernels("transformer_engine", 1, True, rope_fusable=False)["apply_rope_fusion"]
+    assert builder.fused_kernels("transformer_engine", 1, True, rope_fusable=True)["apply_rope_fusion"]
+
+
 def test_cuda_applies_the_bridges_of_the_local_layers(monkeypatch):
     """On CUDA, the two bridges standing in for Transformer Engine's and Apex's modules (the MoE router's
     `te_general_gemm`, the sequence-parallel torch norm) are applied too; the CUDA ones only on CPU."""
