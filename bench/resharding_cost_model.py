@@ -4,16 +4,24 @@
 
 Dense: Llama-2 7B and 70B trained at TP8xPP4 (32 GPUs, 4 nodes of 8) into engines at TP_r=8, next
 to HybridFlow's published transition numbers. Mixture of experts: Qwen3-30B-A3B and
-Qwen3-235B-A22B at the layouts NeMo-RL publishes refit times for, next to those times.
+Qwen3-235B-A22B at the layouts NeMo-RL publishes refit times for, next to those times; and the
+frontier models at the layouts their RL frameworks publish, in bf16 on H100 (see `SCENARIOS`):
+DeepSeek-V3 671B at NeMo-RL's TP1xPP16xEP16 on 256 GPUs (3 layers on the first stage, 2 on the
+last) into engines at TP_r=32, as NeMo-RL runs it (at TP_r=16 its weights alone would be 84 GB a
+GPU); Kimi-K2 1T at the same layout and TP_r=32; GLM-4.5 355B at slime's TP8xPP4xCP2xEP16 on 64
+GPUs into engines of 32 GPUs. Their published times are measured otherwise (FP8 weights from host
+memory for checkpoint-engine, SGLang for slime): context, as the table says.
 
 Bytes are not estimated: megarl's own planner (`megarl.resharding.plan.plan_for_rank`) plans the
 sync, from the slices every training rank holds (megatron-core's split of each HF tensor, read from
-the state-dict adapter's rules: TP for dense weights, expert TP x EP for experts, the layers of the
-pipeline stage) to the slices every engine rank needs (vLLM's TP split, `engine_needs`). Only the
-shard shapes are computed here, since these models cannot be built on this machine;
-tests/distributed/scripts/hf_roundtrip.py checks them against built models. Each rank plans what it
-receives from the ranks that together hold one copy of the model: its dense DP replica (TP x PP
-ranks) for dense weights, its expert-DP replica (expert TP x EP x PP ranks) for experts.
+the state-dict adapter's rules: TP for dense weights, shared experts and multi-latent attention
+(megatron's local layer spec splits its down projections too, Transformer Engine's keeps them whole:
+the same at TP1), expert TP x EP for routed experts, the layers of the pipeline stage, dense or MoE)
+to the slices every engine rank needs (vLLM's TP split, `engine_needs`). Only the shard shapes are
+computed here, since these models cannot be built on this machine;
+tests/distributed/scripts/hf_roundtrip.py checks them against built models of every family. Each
+rank plans what it receives from the ranks that together hold one copy of the model: its dense DP
+replica (TP x PP ranks) for dense weights, its expert-DP replica (expert TP x EP x PP ranks) for experts.
 
 Time = efficiency x link time of the busiest link, where the link time puts each transfer on
 NVLink (same node) or the node's network (across nodes, shared by the node's 8 GPUs; the two
@@ -22,6 +30,8 @@ the same bytes on the same ranks, measured by bench/resharding.py (run first whe
 missing). vLLM's weight processing is not modelled: on CPU it is oneDNN repacking, which GPUs do
 not do. The same link model prices the all-gather designs HybridFlow compares with (its Table 2:
 DeepSpeed-Chat gathers the whole model on every GPU; at DP=1 HybridFlow-V gathers the same).
+The three frontier models take about eight CPU minutes to plan (Kimi-K2: 256 ranks, each needing a
+slice of 70,000 HF tensors).
 """
 
 from __future__ import annotations
@@ -42,6 +52,15 @@ from megarl.resharding.plan import SourcePiece, plan_for_rank  # noqa: E402
 
 CPU_RESULTS = ROOT / "outputs/bench/resharding.json"
 GPUS_PER_NODE, BF16 = 8, 2
+DEEPSEEK_V3 = dict(  # huggingface.co/deepseek-ai/DeepSeek-V3/config.json, the fields that matter here
+    architectures=["DeepseekV3ForCausalLM"], hidden_size=7168, num_hidden_layers=61, first_k_dense_replace=3,
+    num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256,
+    n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4, topk_method="noaux_tc", scoring_func="sigmoid",
+    norm_topk_prob=True, routed_scaling_factor=2.5, vocab_size=129280, max_position_embeddings=163840,
+    rms_norm_eps=1e-6, rope_theta=10000.0, num_nextn_predict_layers=1,
+    rope_scaling=dict(type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
+                      mscale=1.0, mscale_all_dim=1.0))
 HF_CONFIGS = {  # the HF configs' fields that matter here (huggingface.co/<name>/config.json)
     "Llama-2-7B": dict(architectures=["LlamaForCausalLM"], hidden_size=4096, num_hidden_layers=32,
                        num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008, vocab_size=32000,
@@ -59,6 +78,22 @@ HF_CONFIGS = {  # the HF configs' fields that matter here (huggingface.co/<name>
                             moe_intermediate_size=1536, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
                             decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936,
                             max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0),
+    # Kimi-K2 (moonshotai/Kimi-K2-Instruct) is DeepSeek-V3's architecture (its config names
+    # DeepseekV3ForCausalLM) with these fields; GLM-4.5 is zai-org/GLM-4.5.
+    "DeepSeek-V3": DEEPSEEK_V3,
+    "Kimi-K2": DEEPSEEK_V3 | dict(first_k_dense_replace=1, num_attention_heads=64, num_key_value_heads=64,
+                                 n_routed_experts=384, n_group=1, topk_group=1, vocab_size=163840,
+                                 routed_scaling_factor=2.827, max_position_embeddings=131072, rope_theta=50000.0,
+                                 num_nextn_predict_layers=0,
+                                 rope_scaling=dict(type="yarn", factor=32.0, original_max_position_embeddings=4096,
+                                                   beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)),
+    "GLM-4.5": dict(architectures=["Glm4MoeForCausalLM"], hidden_size=5120, num_hidden_layers=92,
+                    first_k_dense_replace=3, num_attention_heads=96, num_key_value_heads=8, head_dim=128,
+                    partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True, intermediate_size=12288,
+                    moe_intermediate_size=1536, n_routed_experts=160, n_shared_experts=1, num_experts_per_tok=8,
+                    n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, vocab_size=151552,
+                    max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=1000000.0,
+                    num_nextn_predict_layers=1),
 }
 # HybridFlow (Sheng et al., EuroSys 2025, arXiv 2409.19256), section 8.4: the 3D-HybridEngine cuts
 # the actor's training -> generation transition time by 55.2% on average and by up to 89.1% (70B)
@@ -105,11 +140,17 @@ class TrainingLayout:
     pp: int
     ep: int = 1
     etp: int = 1
+    first_stage_layers: int = 0
+    """Layers of the first and of the last pipeline stage (megatron's num_layers_in_first/last_pipeline_stage,
+    the middle stages splitting the rest evenly); 0: `stage_layers`' own uneven split."""
+    last_stage_layers: int = 0
 
     def __post_init__(self):
         for name, size in (("tp x pp", self.tp * self.pp), ("etp x ep x pp", self.etp * self.ep * self.pp)):
             if self.world % size:
                 raise ValueError(f"{name} = {size} must divide the world of {self.world} GPUs")
+        if bool(self.first_stage_layers) != bool(self.last_stage_layers) or (self.first_stage_layers and self.pp < 3):
+            raise ValueError("first_stage_layers and last_stage_layers go together, with pp >= 3")
 
     @property
     def stage_size(self) -> int:
@@ -125,9 +166,14 @@ class TrainingLayout:
         return self.stage_size // self.tp
 
     def stage_layers(self, num_layers: int) -> list[int]:
-        """Layers per pipeline stage. Where PP does not divide them, the first and last stages (which
-        also hold the embedding and the LM head) take one layer fewer each, then the second and the
-        second-to-last, ... (megatron's uneven split, set by its num_layers_in_first/last_pipeline_stage)."""
+        """Layers per pipeline stage: as set by `first_stage_layers` and `last_stage_layers`, else, where
+        PP does not divide them, the first and last stages (which also hold the embedding and the LM
+        head) take one layer fewer each, then the second and the second-to-last, ..."""
+        if self.first_stage_layers:
+            middle, middle_stages = num_layers - self.first_stage_layers - self.last_stage_layers, self.pp - 2
+            if middle % middle_stages:
+                raise ValueError(f"{middle} middle layers do not split evenly over {middle_stages} stages")
+            return [self.first_stage_layers, *[middle // middle_stages] * middle_stages, self.last_stage_layers]
         per_stage = -(-num_layers // self.pp)
         layers = [per_stage] * self.pp
         for i in range(per_stage * self.pp - num_layers):
@@ -147,7 +193,9 @@ class TrainingLayout:
 
     def __str__(self) -> str:
         experts = f"xEP{self.ep} (expert TP {self.etp})" if self.ep > 1 else ""
-        return f"TP{self.tp}xPP{self.pp}{experts}, DP{self.dp}, {self.world} GPUs"
+        stages = (f" ({self.first_stage_layers}/../{self.last_stage_layers} layers)"
+                  if self.first_stage_layers else "")
+        return f"TP{self.tp}xPP{self.pp}{experts}{stages}, DP{self.dp}, {self.world} GPUs"
 
 
 @dataclass(frozen=True)
@@ -186,11 +234,33 @@ SCENARIOS = [
         Published("NeMo-RL PR 2971", "EP8xPP2 -> TP8xDP2", "0.74-1.00 s", NEMO_RL_2971))),
     Scenario("Qwen3-235B-A22B", TrainingLayout(128, tp=4, pp=8, ep=16), engine_tp=8, published=(
         Published("NeMo-RL PR 2808", "TP4xPP8xEP16 -> TP8xDP16", "4.56-4.85 s", NEMO_RL_2808),)),
+    # NeMo-RL's DeepSeek-V3 GRPO recipe for 32 nodes of 8 H100 (examples/configs/recipes/llm/performance/
+    # grpo-deepseek-v3-32n8g.yaml, docs/about/performance-summary.md v0.4): training [TP1, CP1, EP16, PP16],
+    # 3 layers on the first stage and 2 on the last, generation TP32, PR 2808's "PP16xEP16 -> TP32xDP8".
+    # Engines of 8 or 16 GPUs cannot hold it: 1.34 TB of bf16 weights are 84 GB a GPU at TP16.
+    Scenario("DeepSeek-V3", TrainingLayout(256, tp=1, pp=16, ep=16, first_stage_layers=3, last_stage_layers=2),
+             engine_tp=32, published=(
+        Published("NeMo-RL PR 2808", "PP16xEP16 -> TP32xDP8", "7.65-9.94 s", NEMO_RL_2808),
+        Published("NeMo-RL", "layout not given", "2.39-2.83 s", "DGX-H100, as megarl issue 43 cites it"))),
+    # Kimi-K2 on the same 256 GPUs: Megatron-Bridge's Kimi-K2 layout for 256 GPUs (PP16 EP16, its B200
+    # recipe in scripts/performance/configs/kimi); its H100 recipe (TP8 PP16 EP64 on 1024 GPUs, pipeline
+    # layout "Et|(tt|)*30L": 3 layers on the first stage, 2 on the last) takes half an hour to plan here.
+    # 1.03 T parameters on 256 H100 need the optimizer offloaded to the CPU, as slime's examples do.
+    # Engines at TP32, the fewest GPUs that hold 2.05 TB of bf16 weights (64 GB a GPU, as many as
+    # checkpoint-engine's FP8 weights at TP16).
+    Scenario("Kimi-K2", TrainingLayout(256, tp=1, pp=16, ep=16, first_stage_layers=3, last_stage_layers=2),
+             engine_tp=32, published=(
+        Published("checkpoint-engine", "Kimi-K2-Instruct in FP8 from host memory -> 16 vLLM engines at TP16, "
+                  "256 H20", "16.04 s (broadcast), 16.75 s (P2P)",
+                  "github.com/MoonshotAI/checkpoint-engine, README, Benchmark"),)),
+    # slime's colocated GLM-4.5 example on 8 nodes of 8 H100 (scripts/run-glm4.5-355B-A32B.sh): training
+    # TP8 (sequence parallel) PP4 CP2 EP16, expert TP 1; SGLang engines of 32 GPUs (DP attention 4), here
+    # vLLM at TP_r=32 (8 KV heads: each on 4 ranks).
+    Scenario("GLM-4.5", TrainingLayout(64, tp=8, pp=4, ep=16), engine_tp=32, published=(
+        Published("slime", "colocated Megatron -> SGLang, layout not given", "48 s", "as megarl issue 43 cites it"),)),
 ]
-# Published sync times of models megarl cannot plan (DeepSeek-V3's MLA, GLM-4.5's dense first layers
-# and shared expert are not megarl architectures): context only, nothing here is computed for them.
+# Published sync times at layouts not planned here: context only, nothing here is computed for them.
 UNPLANNED = [
-    Published("NeMo-RL PR 2808", "DeepSeek-V3, PP16xEP16 -> TP32xDP8", "7.65-9.94 s", NEMO_RL_2808),
     Published("NeMo-RL v0.3", "DeepSeek-V3, EP64xPP8 -> TP64", "47.2 s",
               "nvidia-nemo.github.io/blog/2025/08/12/nemo-rl-refit-performance, Table 1"),
     Published("slime", "Qwen3-30B-A3B, colocated Megatron -> SGLang, layout not stated", "7 s (from 60 s)",
@@ -202,35 +272,84 @@ def architecture(model: str) -> Architecture:
     return architecture_from_hf({"tie_word_embeddings": False, **HF_CONFIGS[model]}, source=model)
 
 
-def stage_shard_shapes(arch: Architecture, layout: TrainingLayout, stage: int) -> dict[str, tuple[int, ...]]:
-    """Megatron parameter name -> shard shape on one rank of pipeline `stage` (local layer spec:
-    SequentialMLP experts, `layout.ep` groups of experts, each expert split over `layout.etp` ranks)."""
-    h, d, tp = arch.hidden_size, arch.head_dim, layout.tp
-    per_layer = {
-        "input_layernorm.weight": (h,),
-        "self_attention.linear_qkv.weight": ((arch.num_attention_heads + 2 * arch.num_kv_heads) * d // tp, h),
+def attention_shard_shapes(arch: Architecture, tp: int) -> dict[str, tuple[int, ...]]:
+    """Megatron attention parameter name (within a layer) -> shard shape on one TP rank."""
+    h = arch.hidden_size
+    if arch.mla:  # megatron's local MLA spec: every projection column-parallel, the latents' norms whole
+        mla, heads = arch.mla, arch.num_attention_heads
+        q_head_dim = mla.nope_head_dim + mla.rope_head_dim
+        shapes = {
+            "self_attention.linear_kv_down_proj.weight": ((mla.kv_lora_rank + mla.rope_head_dim) // tp, h),
+            "self_attention.kv_layernorm.weight": (mla.kv_lora_rank,),
+            "self_attention.linear_kv_up_proj.weight": (heads * (mla.nope_head_dim + mla.v_head_dim) // tp,
+                                                        mla.kv_lora_rank),
+            "self_attention.linear_proj.weight": (h, heads * mla.v_head_dim // tp),
+        }
+        if mla.q_lora_rank is None:
+            return shapes | {"self_attention.linear_q_proj.weight": (heads * q_head_dim // tp, h)}
+        return shapes | {
+            "self_attention.linear_q_down_proj.weight": (mla.q_lora_rank // tp, h),
+            "self_attention.q_layernorm.weight": (mla.q_lora_rank,),
+            "self_attention.linear_q_up_proj.weight": (heads * q_head_dim // tp, mla.q_lora_rank),
+        }
+    d, qkv_rows = arch.head_dim, (arch.num_attention_heads + 2 * arch.num_kv_heads) * arch.head_dim // tp
+    shapes = {
+        "self_attention.linear_qkv.weight": (qkv_rows, h),
         "self_attention.linear_proj.weight": (h, arch.num_attention_heads * d // tp),
-        "pre_mlp_layernorm.weight": (h,),
     }
+    if arch.qkv_bias:
+        shapes["self_attention.linear_qkv.bias"] = (qkv_rows,)
     if arch.qk_norm:
-        per_layer |= {"self_attention.q_layernorm.weight": (d,), "self_attention.k_layernorm.weight": (d,)}
-    if arch.is_moe:
-        f = arch.moe_ffn_hidden_size
-        per_layer["mlp.router.weight"] = (arch.num_experts, h)
-        for j in range(arch.num_experts // layout.ep):
-            per_layer[f"mlp.experts.local_experts.{j}.linear_fc1.weight"] = (2 * f // layout.etp, h)
-            per_layer[f"mlp.experts.local_experts.{j}.linear_fc2.weight"] = (h, f // layout.etp)
-    else:
+        shapes |= {"self_attention.q_layernorm.weight": (d,), "self_attention.k_layernorm.weight": (d,)}
+    return shapes
+
+
+def mlp_shard_shapes(arch: Architecture, layout: TrainingLayout, layer: int) -> dict[str, tuple[int, ...]]:
+    """Megatron MLP parameter name (within global layer `layer`) -> shard shape: a dense MLP split over
+    TP, or a mixture of experts (the router and its correction bias whole; shared experts split over
+    TP; `layout.ep` groups of routed experts, each split over `layout.etp` ranks, SequentialMLP names)."""
+    h, tp = arch.hidden_size, layout.tp
+    if not arch.is_moe_layer(layer):
         f = arch.ffn_hidden_size
-        per_layer |= {"mlp.linear_fc1.weight": (2 * f // tp, h), "mlp.linear_fc2.weight": (h, f // tp)}
-    shapes = {f"decoder.layers.{i}.{suffix}": shape for i in range(layout.stage_layers(arch.num_layers)[stage])
-              for suffix, shape in per_layer.items()}
+        return {"mlp.linear_fc1.weight": (2 * f // tp, h), "mlp.linear_fc2.weight": (h, f // tp)}
+    shapes = {"mlp.router.weight": (arch.num_experts, h)}
+    if arch.router_bias:
+        shapes["mlp.router.expert_bias"] = (arch.num_experts,)  # a buffer, not a parameter
+    if arch.shared_expert_ffn_hidden_size:
+        f = arch.shared_expert_ffn_hidden_size
+        shapes |= {"mlp.shared_experts.linear_fc1.weight": (2 * f // tp, h),
+                   "mlp.shared_experts.linear_fc2.weight": (h, f // tp)}
+    if arch.shared_expert_gate:
+        shapes["mlp.shared_experts.gate_weight"] = (1, h)
+    f = arch.moe_ffn_hidden_size
+    for j in range(arch.num_experts // layout.ep):
+        shapes[f"mlp.experts.local_experts.{j}.linear_fc1.weight"] = (2 * f // layout.etp, h)
+        shapes[f"mlp.experts.local_experts.{j}.linear_fc2.weight"] = (h, f // layout.etp)
+    return shapes
+
+
+def stage_shard_shapes(arch: Architecture, layout: TrainingLayout, stage: int) -> dict[str, tuple[int, ...]]:
+    """Megatron tensor name -> shard shape on one rank of pipeline `stage`, megatron's local layer spec:
+    the parameters and the routers' correction biases (`state_dict_adapter.mapped_tensors`)."""
+    h, tp = arch.hidden_size, layout.tp
+    stage_layers = layout.stage_layers(arch.num_layers)
+    first_layer = sum(stage_layers[:stage])
+    attention = attention_shard_shapes(arch, tp)
+    shapes = {}
+    for i in range(stage_layers[stage]):
+        per_layer = {"input_layernorm.weight": (h,), **attention, "pre_mlp_layernorm.weight": (h,),
+                     **mlp_shard_shapes(arch, layout, first_layer + i)}
+        shapes |= {f"decoder.layers.{i}.{suffix}": shape for suffix, shape in per_layer.items()}
     vocab_rows = padded_vocab_size(arch.vocab_size, 128, tp) // tp
     if stage == 0:
         shapes["embedding.word_embeddings.weight"] = (vocab_rows, h)
     if stage == layout.pp - 1:
         shapes["decoder.final_layernorm.weight"] = (h,)
-        shapes["output_layer.weight"] = (vocab_rows, h)
+        if arch.value_model:
+            shapes |= {"output_layer.score.weight": (1, h), "output_layer.score.bias": (1,)}
+        elif not (arch.tie_word_embeddings and stage == 0):
+            # A tied output layer shares the embedding on a one-stage model; the last of several keeps a copy.
+            shapes["output_layer.weight"] = (vocab_rows, h)
     return shapes
 
 
@@ -379,7 +498,7 @@ def main() -> None:
     print("\nMixture of experts on H100, one sync:")
     print_table(["model", "training layout -> colocated engines", "GB/GPU received (lower bound)",
                  "GB into busiest node", "predicted s", "published s"], rows)
-    print("\nPublished sync times of models megarl cannot plan (context, not compared):")
+    print("\nPublished sync times at layouts not planned here (context, not compared):")
     for published in UNPLANNED:
         print(f"  {published.who}, {published.layouts}: {published.seconds} ({published.source})")
 

@@ -3,15 +3,18 @@ whole-world greedy planner it replaced, and at 1,024 ranks (TP8xPP8xDP16 -> TP_r
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 import torch
 
-from bench.resharding_cost_model import TrainingLayout, architecture, rank_sources
+from bench.resharding_cost_model import (HF_CONFIGS, TrainingLayout, architecture, plan_sync, rank_sources,
+                                         stage_shard_shapes)
 
-from megarl.models.architecture import Architecture
+from megarl.models.architecture import Architecture, architecture_from_hf
 from megarl.models.state_dict_adapter import ParamMapping, shard_pieces
 from megarl.resharding.engine_layout import engine_needs
 from megarl.resharding.executor import allocated_bytes, hf_shapes_from, layer_buckets
@@ -309,3 +312,93 @@ def test_experts_come_from_the_expert_replica_and_only_missing_bytes_move(tp, en
     # Expert 1 comes from the ETP ranks of EP rank 1 that hold part of the needed interval.
     senders = {t.src for t in plans[0].transfers if t.dst == 0 and ".experts.1." in t.hf_name}
     assert senders == {tp + etp_rank for etp_rank in range(tp) if etp_rank * held < wanted}
+
+
+# The frontier MoE models of the cost model: DeepSeek-V3's multi-latent attention, dense first layers,
+# shared expert and router bias; GLM-4.5's q/k/v biases and qk-norm. Shapes by hand from the HF configs.
+def _hf_shapes(arch, layout):
+    sources, shard_shapes = [], {}
+    for rank in range(layout.world):
+        dense, experts, shapes = rank_sources(arch, layout, rank)
+        sources += dense + experts
+        shard_shapes |= shapes
+    return hf_shapes_from(sources, shard_shapes)
+
+
+def test_deepseek_v3_shards_rebuild_its_hf_tensors_and_its_published_671b_parameters():
+    hf_shapes = _hf_shapes(architecture("DeepSeek-V3"), TrainingLayout(16, tp=2, pp=4, ep=4))
+    # Its README: 671B parameters in the main model (685B with the 14B multi-token-prediction module).
+    assert sum(math.prod(shape) for shape in hf_shapes.values()) == pytest.approx(671e9, rel=1e-3)
+    attention, moe = "model.layers.3.self_attn.", "model.layers.3.mlp."
+    assert hf_shapes[attention + "q_a_proj.weight"] == (1536, 7168)
+    assert hf_shapes[attention + "q_b_proj.weight"] == (128 * (128 + 64), 1536)  # heads x (no-RoPE + RoPE dims)
+    assert hf_shapes[attention + "kv_a_proj_with_mqa.weight"] == (512 + 64, 7168)  # latent + shared RoPE key
+    assert hf_shapes[attention + "kv_b_proj.weight"] == (128 * (128 + 128), 512)  # heads x (key + value dims)
+    assert hf_shapes[attention + "o_proj.weight"] == (7168, 128 * 128)
+    assert hf_shapes[attention + "kv_a_layernorm.weight"] == (512,)
+    assert hf_shapes[moe + "gate.e_score_correction_bias"] == (256,)
+    assert hf_shapes[moe + "shared_experts.gate_proj.weight"] == (2048, 7168)
+    assert len([name for name in hf_shapes if name.startswith(moe + "experts.")]) == 256 * 3
+    assert hf_shapes["model.layers.2.mlp.gate_proj.weight"] == (18432, 7168)  # first_k_dense_replace=3
+    assert not any(name.startswith("model.layers.2.mlp.gate.") for name in hf_shapes)
+    assert "model.layers.61.input_layernorm.weight" not in hf_shapes  # the MTP layer is not synced
+
+
+def test_latent_attention_shard_shapes_at_tp2_by_hand():
+    # megatron's local MLA spec: the down projections too are column-parallel (halved at TP2).
+    shapes = stage_shard_shapes(architecture("DeepSeek-V3"), TrainingLayout(4, tp=2, pp=2, ep=2), 0)
+    layer = "decoder.layers.0.self_attention."
+    assert {name[len(layer):]: shape for name, shape in shapes.items() if name.startswith(layer)} == {
+        "linear_q_down_proj.weight": (768, 7168), "q_layernorm.weight": (1536,),
+        "linear_q_up_proj.weight": (64 * 192, 1536), "linear_kv_down_proj.weight": (288, 7168),
+        "kv_layernorm.weight": (512,), "linear_kv_up_proj.weight": (64 * 256, 512),
+        "linear_proj.weight": (7168, 64 * 128)}
+    no_query_latent = replace(architecture("DeepSeek-V3"), mla=replace(architecture("DeepSeek-V3").mla,
+                                                                       q_lora_rank=None))
+    shapes = stage_shard_shapes(no_query_latent, TrainingLayout(4, tp=2, pp=2, ep=2), 0)
+    assert shapes[layer + "linear_q_proj.weight"] == (64 * 192, 7168)
+    assert layer + "q_layernorm.weight" not in shapes and layer + "linear_q_up_proj.weight" not in shapes
+
+
+def test_glm_shard_shapes_at_slimes_layout_by_hand():
+    shapes = stage_shard_shapes(architecture("GLM-4.5"), TrainingLayout(64, tp=8, pp=4, ep=16), 0)
+    # 96 query heads and 8 KV heads of 128 over TP8: 12 query heads and one KV head a rank.
+    assert shapes["decoder.layers.0.self_attention.linear_qkv.weight"] == ((12 + 2) * 128, 5120)
+    assert shapes["decoder.layers.0.self_attention.linear_qkv.bias"] == ((12 + 2) * 128,)
+    assert shapes["decoder.layers.0.self_attention.linear_proj.weight"] == (5120, 12 * 128)
+    assert shapes["decoder.layers.0.self_attention.k_layernorm.weight"] == (128,)
+    assert shapes["decoder.layers.2.mlp.linear_fc1.weight"] == (2 * 12288 // 8, 5120)  # dense first layers
+    assert shapes["decoder.layers.3.mlp.router.expert_bias"] == (160,)
+    assert shapes["decoder.layers.3.mlp.shared_experts.linear_fc1.weight"] == (2 * 1536 // 8, 5120)
+    assert shapes["decoder.layers.3.mlp.experts.local_experts.9.linear_fc2.weight"] == (5120, 1536)  # 160 / EP16
+    assert "decoder.layers.3.mlp.experts.local_experts.10.linear_fc1.weight" not in shapes
+    assert "decoder.layers.23.input_layernorm.weight" not in shapes  # 92 layers / PP4
+    assert shapes["embedding.word_embeddings.weight"] == (151552 // 8, 5120)  # already a multiple of 128 x 8
+
+
+def test_last_stage_holds_a_tied_copy_of_the_embedding_or_the_value_head():
+    layout = TrainingLayout(TP * PP, tp=TP, pp=PP)
+    tied = replace(ARCH, tie_word_embeddings=True)
+    assert "output_layer.weight" in stage_shard_shapes(tied, layout, PP - 1)
+    assert "output_layer.weight" not in stage_shard_shapes(tied, TrainingLayout(TP, tp=TP, pp=1), 0)
+    value = stage_shard_shapes(replace(ARCH, value_model=True), layout, PP - 1)
+    assert (value["output_layer.score.weight"], value["output_layer.score.bias"]) == ((1, 16), (1,))
+    assert "output_layer.weight" not in value
+
+
+def test_first_and_last_stage_layers_as_nemo_rl_sets_them_for_deepseek_v3():
+    layout = TrainingLayout(256, tp=1, pp=16, ep=16, first_stage_layers=3, last_stage_layers=2)
+    assert layout.stage_layers(61) == [3] + [4] * 14 + [2]
+    with pytest.raises(ValueError, match="middle layers"):
+        layout.stage_layers(60)
+    with pytest.raises(ValueError, match="go together"):
+        TrainingLayout(256, tp=1, pp=16, ep=16, first_stage_layers=3)
+
+
+@pytest.mark.parametrize("model", ["DeepSeek-V3", "Kimi-K2", "GLM-4.5"])
+def test_frontier_moe_models_plan_every_tensor_and_only_missing_bytes_move(model):
+    # Their published configs shrunk to 4 layers of 16 experts, each split as at full size.
+    config = HF_CONFIGS[model] | dict(num_hidden_layers=4, n_routed_experts=16, n_group=1, topk_group=1)
+    arch = architecture_from_hf({"tie_word_embeddings": False, **config})
+    traffic = plan_sync(arch, TrainingLayout(16, tp=2, pp=2, ep=4), engine_tp=4)
+    assert traffic.received == traffic.lower_bound and min(traffic.received) > 0
