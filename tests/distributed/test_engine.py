@@ -254,6 +254,11 @@ def test_sigmoid_router_replays_the_rollout_and_balances_from_the_checkpoints_bi
     # The checkpoint's correction bias is loaded (non-zero) and stays without aux-loss-free balancing; with it,
     # each expert's bias moves by the update rate (or not at all, for an expert at exactly the mean load).
     fixed, balanced = report["sigmoid_bias_fixed"], report["sigmoid_bias_balanced"]
+    # Scores and the step (without router losses) as transformers computes them, through the checkpoint's bias.
+    reference_loss, reference_grad_norm = report["sigmoid_reference"]
+    assert report["sigmoid_score_diff"] <= 1e-4
+    assert fixed["loss"] == pytest.approx(reference_loss, abs=1e-5)
+    assert fixed["grad_norm"] == pytest.approx(reference_grad_norm, rel=1e-4)
     before = torch.tensor(fixed["before"])
     assert before.abs().min() > 0 and torch.equal(torch.tensor(fixed["after"]), before)
     moved = torch.tensor(balanced["after"]) - torch.tensor(balanced["before"])

@@ -146,6 +146,20 @@ def hf_scores(model_dir):
     return logprobs
 
 
+def hf_policy_step(model_dir):
+    """`transformers`: the policy loss of the whole batch (no router losses) and its gradient norm."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    loss, num_response = torch.zeros(()), int(response_lengths.sum())
+    for i in range(8):
+        length, start = int(lengths[i]), int(prompt_lengths[i])
+        log_p = torch.log_softmax(model(tokens[i : i + 1, :length]).logits[0, start - 1 : length - 1] / TEMPERATURE, -1)
+        logprobs = log_p.gather(1, tokens[i, start:length, None]).squeeze(1)
+        loss = loss + (-logprobs.sum() + 0.01 * (log_p.exp() * log_p).sum()) / num_response
+    loss.backward()
+    return float(loss), float(torch.sqrt(sum(p.grad.double().square().sum() for p in model.parameters()
+                                             if p.grad is not None)))
+
+
 def worst(value: float) -> float:
     """The largest `value` over all ranks."""
     box = torch.tensor(value)
@@ -323,12 +337,16 @@ def main():
     sigmoid_routed = replace(routed, routed_experts_BTLK=hf_routing(args.sigmoid_policy))
     report["sigmoid_own_routing"] = replay_step(layout, args.sigmoid_policy, sigmoid_routed.select(share), replay=False)
     report["sigmoid_replayed"] = replay_step(layout, args.sigmoid_policy, sigmoid_routed.select(share), replay=True)
-    for name, moe in (("sigmoid_bias_fixed", moe_losses), ("sigmoid_bias_balanced", MoEConfig(expert_bias=True))):
+    for name, moe in (("sigmoid_bias_fixed", MoEConfig()), ("sigmoid_bias_balanced", MoEConfig(expert_bias=True))):
         sigmoid = engine(layout, args.sigmoid_policy, moe)
         before = [router.expert_bias.tolist() for router in sigmoid.routing.routers]
+        scores = sigmoid.score(batch, temperature=TEMPERATURE)["logprobs"]
         metrics, _ = sigmoid.train_mini_batch(batch, policy_loss, temperature=TEMPERATURE)
         report[name] = dict(metrics, before=before, after=[router.expert_bias.tolist()
                                                            for router in sigmoid.routing.routers])
+    expected = hf_scores(args.sigmoid_policy)[share]
+    report["sigmoid_score_diff"] = worst(float((scores - expected[:, : scores.shape[1]]).abs().max()))
+    report["sigmoid_reference"] = hf_policy_step(args.sigmoid_policy)
 
     reference_step = reference(args.policy, layout.dp)
     report["reference"] = {name: value.tolist() if torch.is_tensor(value) else value
