@@ -212,7 +212,8 @@ def architecture_from_hf(config: dict, source: str = "config.json") -> Architect
         hidden_size=config["hidden_size"],
         num_attention_heads=heads,
         num_kv_heads=config.get("num_key_value_heads") or heads,
-        head_dim=mla.nope_head_dim + mla.rope_head_dim if mla else config.get("head_dim") or config["hidden_size"] // heads,
+        head_dim=(mla.nope_head_dim + mla.rope_head_dim if mla
+                  else config.get("head_dim") or config["hidden_size"] // heads),
         ffn_hidden_size=config["intermediate_size"],
         vocab_size=config["vocab_size"],
         max_position_embeddings=config["max_position_embeddings"],
@@ -237,7 +238,8 @@ def _latent_attention(config: dict, unsupported) -> LatentAttention:
     if config.get("attention_bias"):
         unsupported("attention_bias", "expected false (multi-latent attention without biases)")
     if config.get("rope_interleave", True) is not True:
-        unsupported("rope_interleave", "expected true (megatron-core's multi-latent attention rotates interleaved pairs)")
+        unsupported("rope_interleave",
+                    "expected true (megatron-core's multi-latent attention rotates interleaved pairs)")
     return LatentAttention(q_lora_rank=config.get("q_lora_rank"), kv_lora_rank=config["kv_lora_rank"],
                            nope_head_dim=config["qk_nope_head_dim"], rope_head_dim=config["qk_rope_head_dim"],
                            v_head_dim=config["v_head_dim"])

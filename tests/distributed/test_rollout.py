@@ -102,7 +102,8 @@ def test_rollout_after_resharding(tiny_models, tiny_moe_models, tmp_path, case):
         # MoE engines record the routing of every fed token; in float32 vLLM routes as transformers does
         # (near-ties aside: seen 1.0), so a record shifted by a position or a layer would show.
         assert report["vllm_hf_routing_agreement"] is None if ep == 1 else report["vllm_hf_routing_agreement"] >= 0.99
-    assert report["rollout_vs_trainer_logprob_diff"] <= (1e-4 if dtype == "float32" else BF16_ROLLOUT_VS_TRAINER), report
+    band = 1e-4 if dtype == "float32" else BF16_ROLLOUT_VS_TRAINER
+    assert report["rollout_vs_trainer_logprob_diff"] <= band, report
     direct = engine_tp == 1 and ep == 1  # dense models at engine TP1 skip vLLM's generic reload
     assert report["direct_load"] == direct, report
     # A rank lends the engine each tensor it holds its whole need of in one piece (a view, no copy). At
@@ -120,7 +121,8 @@ def test_rollout_after_resharding(tiny_models, tiny_moe_models, tmp_path, case):
     # included; vLLM's reload packs each layer for oneDNN, but MLA's kv_b_proj (one a layer), whose weight
     # MLA's processing turns into its absorbed W_UK_T and W_UV.
     plain, layers = report["plain_gemm_layers"]
-    kv_b_projs = sum(n.endswith("kv_b_proj.weight") for file in model_dir.glob("*.safetensors") for n in load_file(file))
+    kv_b_projs = sum(n.endswith("kv_b_proj.weight")
+                     for file in model_dir.glob("*.safetensors") for n in load_file(file))
     assert layers >= 4 * 2 and plain == (layers if direct else kv_b_projs), report
     expected_bytes = rank0_lower_bound(model_dir, tp, pp, ep, etp, engine_tp, itemsize=4 if dtype == "float32" else 2)
     assert report["bytes_received"] == report["lower_bound"] == expected_bytes
