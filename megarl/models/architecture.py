@@ -275,6 +275,21 @@ def _moe_fields(config: dict, family: str, unsupported) -> dict:
     )
 
 
+def _deepseek_moe_fields(config: dict, unsupported) -> dict:
+    """What DeepSeek-V2, DeepSeek-V3 and GLM-4.5 name alike: routed and shared experts of
+    `moe_intermediate_size`, routed scaling, dense first layers, then a mixture of experts in every layer."""
+    if config.get("moe_layer_freq", 1) != 1:
+        unsupported("moe_layer_freq", "expected 1 (every layer after first_k_dense_replace a mixture of experts)")
+    return dict(
+        num_experts=config["n_routed_experts"],
+        moe_topk=config["num_experts_per_tok"],
+        moe_ffn_hidden_size=config["moe_intermediate_size"],
+        shared_expert_ffn_hidden_size=config["moe_intermediate_size"] * (config.get("n_shared_experts") or 0),
+        routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+        dense_layers=config.get("first_k_dense_replace", 0),
+    )
+
+
 def _sigmoid_routed_moe_fields(config: dict, unsupported) -> dict:
     """DeepSeek-V3's and GLM-4.5's routing (`topk_method: noaux_tc`), as megatron-core's router
     computes it: sigmoid scores renormalised over the chosen experts, groups scored by their top
@@ -285,24 +300,12 @@ def _sigmoid_routed_moe_fields(config: dict, unsupported) -> dict:
         unsupported("scoring_func", "expected 'sigmoid'")
     if not config.get("norm_topk_prob", True):
         unsupported("norm_topk_prob", "expected true (megatron-core renormalises sigmoid routing weights)")
-    if config.get("moe_layer_freq", 1) != 1:
-        unsupported("moe_layer_freq", "expected 1 (every layer after first_k_dense_replace a mixture of experts)")
     topk, groups, group_topk = config["num_experts_per_tok"], config.get("n_group") or 1, config.get("topk_group") or 1
     if groups > 1 and topk != 2 * group_topk:
         unsupported("topk_group", f"with n_group={groups}, megatron-core scores a group by its top "
                     f"num_experts_per_tok // topk_group experts, HF by its top 2: expected topk_group={topk // 2}")
-    return dict(
-        num_experts=config["n_routed_experts"],
-        moe_topk=topk,
-        moe_ffn_hidden_size=config["moe_intermediate_size"],
-        shared_expert_ffn_hidden_size=config["moe_intermediate_size"] * (config.get("n_shared_experts") or 0),
-        router_score="sigmoid",
-        router_bias=True,
-        router_groups=groups,
-        router_group_topk=group_topk,
-        routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
-        dense_layers=config.get("first_k_dense_replace", 0),
-    )
+    return dict(_deepseek_moe_fields(config, unsupported), router_score="sigmoid", router_bias=True,
+                router_groups=groups, router_group_topk=group_topk)
 
 
 def _deepseek_v2_moe_fields(config: dict, unsupported) -> dict:
@@ -313,15 +316,7 @@ def _deepseek_v2_moe_fields(config: dict, unsupported) -> dict:
                     "scores, DeepSeek-V2's group_limited_greedy by its best one)")
     if config.get("norm_topk_prob"):
         unsupported("norm_topk_prob", "expected false (transformers' DeepSeek-V2 ignores it, vLLM applies it)")
-    return dict(
-        num_experts=config["n_routed_experts"],
-        moe_topk=config["num_experts_per_tok"],
-        moe_ffn_hidden_size=config["moe_intermediate_size"],
-        shared_expert_ffn_hidden_size=config["moe_intermediate_size"] * (config.get("n_shared_experts") or 0),
-        moe_norm_topk_prob=False,
-        routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
-        dense_layers=config.get("first_k_dense_replace", 0),
-    )
+    return dict(_deepseek_moe_fields(config, unsupported), moe_norm_topk_prob=False)
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
