@@ -134,15 +134,23 @@ def hf_value_step(model_dir):
     return values, float(torch.sqrt(sum(grad.square().sum() for grad in grads)))
 
 
+def response_log_p(model, i):
+    """(R_i, V) log-probabilities at TEMPERATURE of sequence i's response positions, `transformers` forward."""
+    length, start = int(lengths[i]), int(prompt_lengths[i])
+    return torch.log_softmax(model(tokens[i : i + 1, :length]).logits[0, start - 1 : length - 1] / TEMPERATURE, -1)
+
+
+def response_tokens(i):
+    return tokens[i, int(prompt_lengths[i]) : int(lengths[i]), None]
+
+
 def hf_scores(model_dir):
     """(8, R) log-probs at TEMPERATURE from a `transformers` forward on each sequence."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     logprobs = torch.zeros(8, int(response_lengths.max()))
     with torch.no_grad():
         for i in range(8):
-            length, start = int(lengths[i]), int(prompt_lengths[i])
-            log_p = torch.log_softmax(model(tokens[i : i + 1, :length]).logits[0, start - 1 : length - 1] / TEMPERATURE, -1)
-            logprobs[i, : length - start] = log_p.gather(1, tokens[i, start:length, None]).squeeze(1)
+            logprobs[i, : int(response_lengths[i])] = response_log_p(model, i).gather(1, response_tokens(i)).squeeze(1)
     return logprobs
 
 
@@ -151,9 +159,8 @@ def hf_policy_step(model_dir):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     loss, num_response = torch.zeros(()), int(response_lengths.sum())
     for i in range(8):
-        length, start = int(lengths[i]), int(prompt_lengths[i])
-        log_p = torch.log_softmax(model(tokens[i : i + 1, :length]).logits[0, start - 1 : length - 1] / TEMPERATURE, -1)
-        logprobs = log_p.gather(1, tokens[i, start:length, None]).squeeze(1)
+        log_p = response_log_p(model, i)
+        logprobs = log_p.gather(1, response_tokens(i)).squeeze(1)
         loss = loss + (-logprobs.sum() + 0.01 * (log_p.exp() * log_p).sum()) / num_response
     loss.backward()
     return float(loss), float(torch.sqrt(sum(p.grad.double().square().sum() for p in model.parameters()
