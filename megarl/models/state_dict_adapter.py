@@ -76,6 +76,7 @@ _MLA_RULES = {
     "self_attention.linear_kv_up_proj.layer_norm_weight": ("replicated", ("self_attn.kv_a_layernorm.weight",)),
     "self_attention.linear_kv_up_proj.weight": ("column", ("self_attn.kv_b_proj.weight",)),
 }
+_MLA_LAYER_RULES = {**_LAYER_RULES, **_MLA_RULES}
 _LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 # A routed expert's linear layers: one module per local expert (local spec), or one grouped
 # module holding weight<i> per local expert (Transformer Engine's grouped GEMM).
@@ -128,10 +129,9 @@ def param_mappings(model: torch.nn.Module, arch: Architecture, ep_rank: int | No
     """The mapping of every tensor of `mapped_tensors`, in its order; with `ep_rank`, named as EP
     rank `ep_rank` names its own experts (the same tensors, in the same order)."""
     layer_numbers = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
-    moe_layers = [layer.mlp for layer in model.decoder.layers if arch.is_moe_layer(layer.layer_number - 1)]
+    moe_layer = next((layer.mlp for layer in model.decoder.layers if arch.is_moe_layer(layer.layer_number - 1)), None)
     expert_offset = 0
-    if moe_layers:
-        moe_layer = moe_layers[0]
+    if moe_layer is not None:
         expert_offset = moe_layer.local_expert_indices[0] if ep_rank is None else ep_rank * moe_layer.num_local_experts
     return [param_mapping(name, arch, layer_numbers, expert_offset) for name in mapped_tensors(model, arch)]
 
@@ -150,7 +150,7 @@ def param_mapping(name: str, arch: Architecture, layer_numbers: dict[int, int], 
             if linear == "linear_fc1":
                 return ParamMapping(name, "gate_up", (f"{prefix}{gate}.weight", f"{prefix}{up}.weight"), expert=True)
             return ParamMapping(name, "row", (f"{prefix}{down}.weight",), expert=True)
-        rules = {**_LAYER_RULES, **_MLA_RULES} if arch.mla else _LAYER_RULES
+        rules = _MLA_LAYER_RULES if arch.mla else _LAYER_RULES
         kind, suffixes = rules[match.group(2)]
         shared = _HF_SHARED_EXPERTS.get(arch.family, "shared_experts")
         return ParamMapping(name, kind, tuple(layer + s.format(moe=moe_block, shared=shared) for s in suffixes))
