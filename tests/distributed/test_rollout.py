@@ -93,8 +93,8 @@ def test_rollout_after_resharding(tiny_models, tiny_moe_models, tmp_path, case):
     report = json.loads(next(l for l in result.stdout.splitlines() if l.startswith("REPORT ")).removeprefix("REPORT "))
     assert report["hf_engine_bit_identical"] and report["vllm_plain_bit_identical"], report
     assert report["vllm_plain_tensors_checked"] >= 9
-    moe_layers = len({n for file in model_dir.glob("*.safetensors") for n in load_file(file)
-                      if (m := EXPERT.match(n)) and m.group(1) == "0"}) // 3  # gate, up, down of expert 0
+    hf_names = [n for file in model_dir.glob("*.safetensors") for n in load_file(file)]
+    moe_layers = sum(1 for n in hf_names if (m := EXPERT.match(n)) and m.group(1) == "0") // 3  # gate, up, down
     assert report["vllm_experts_bit_identical"] and report["vllm_experts_checked"] == 2 * moe_layers, report  # w13, w2
     assert report["routing_lengths_ok"], report
     if dtype == "float32":
@@ -121,8 +121,7 @@ def test_rollout_after_resharding(tiny_models, tiny_moe_models, tmp_path, case):
     # included; vLLM's reload packs each layer for oneDNN, but MLA's kv_b_proj (one a layer), whose weight
     # MLA's processing turns into its absorbed W_UK_T and W_UV.
     plain, layers = report["plain_gemm_layers"]
-    kv_b_projs = sum(n.endswith("kv_b_proj.weight")
-                     for file in model_dir.glob("*.safetensors") for n in load_file(file))
+    kv_b_projs = sum(n.endswith("kv_b_proj.weight") for n in hf_names)
     assert layers >= 4 * 2 and plain == (layers if direct else kv_b_projs), report
     expected_bytes = rank0_lower_bound(model_dir, tp, pp, ep, etp, engine_tp, itemsize=4 if dtype == "float32" else 2)
     assert report["bytes_received"] == report["lower_bound"] == expected_bytes
