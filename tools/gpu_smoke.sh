@@ -8,9 +8,11 @@
 # The box: one GPU (H100 80GB or H200), Python 3.12, torch 2.11 with CUDA, transformers, tokenizers, pyarrow,
 # Triton and pytest; no megatron-core, vLLM or Transformer Engine; nothing can be downloaded. So the wheels
 # travel with the checkout (installed with --no-deps into a temporary target), rollouts use the `hf` engine,
-# and every job runs one rank (NCCL takes one rank per GPU). The steps share a deadline of DEADLINE_S
-# seconds (default 470, under 8 minutes); a step's log is in the logs folder (default: a temporary one).
-# GRPO_STEPS (default 50) sets the length of the GRPO run.
+# and every job runs one rank (NCCL takes one rank per GPU). The steps run in three lanes at once (the user's
+# path: models, parity, SFT, GRPO; the gpu test files; the resume test, the longest), each lane's steps one
+# after another; the GPU and the box's cores hold the tiny models of all three. They share a deadline of
+# DEADLINE_S seconds (default 470, under 8 minutes); a step's log is in the logs folder (default: a temporary
+# one). GRPO_STEPS (default 50) sets the length of the GRPO run.
 #
 # The dry run proves the plumbing: each pytest step collects its tests, each program answers --help
 # (which imports all it needs). It runs no step's work and claims no GPU result.
@@ -36,8 +38,6 @@ WORK=$(mktemp -d)  # models, data and runs made on the spot
 mkdir -p "$LOGS"
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 TORCHRUN=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=1)
-ROWS=()
-FAILED=0
 
 # megatron-core and omegaconf: already there (a full install), or from the wheels brought along.
 install_wheels() {
@@ -58,16 +58,19 @@ install_wheels() {
     export PYTHONPATH=$ROOT:$site
 }
 
-# step NAME KIND COMMAND...: KIND is `pytest` (COMMAND is its arguments: collected in a dry run),
+# step LANE NAME KIND COMMAND...: KIND is `pytest` (COMMAND is its arguments: collected in a dry run),
 # `program` (a Python program and its arguments, under torchrun when COMMAND starts with `torchrun`:
-# asked for --help in a dry run) or `shell` (run as it is in both modes, for what needs no GPU).
+# asked for --help in a dry run) or `shell` (run as it is in both modes, for what needs no GPU). The
+# step's log and its table row (LANE.ORDER_NAME.{log,row}) go to the logs folder.
 step() {
-    local name=$1 kind=$2
-    shift 2
-    local log left=$((DEADLINE_S - SECONDS)) command=()
-    log="$LOGS/$(printf '%02d' "${#ROWS[@]}")_${name//[^A-Za-z0-9]/_}.log"
+    local lane=$1 name=$2 kind=$3
+    shift 3
+    local order
+    order=$(find "$LOGS" -name "$lane.*.row" | wc -l)
+    local stem left=$((DEADLINE_S - SECONDS)) command=()
+    stem="$LOGS/$lane.$(printf '%02d' "$order")_${name//[^A-Za-z0-9]/_}"
     if ((left <= 0)); then
-        ROWS+=("$name|SKIP|0|past the kit's deadline")
+        echo "$name|SKIP|0|past the kit's deadline" >"$stem.row"
         return
     fi
     case $kind in
@@ -79,22 +82,19 @@ step() {
                  fi ;;
         shell) command=("$@") ;;
     esac
-    echo "== $name: ${command[*]}" >"$log"
+    echo "== $name: ${command[*]}" >"$stem.log"
     local start=$SECONDS status
-    timeout --kill-after=10 "$left" "${command[@]}" >>"$log" 2>&1
+    timeout --kill-after=10 "$left" "${command[@]}" >>"$stem.log" 2>&1
     status=$?
     local seconds=$((SECONDS - start)) verdict=PASS detail
-    detail=$(summary "$kind" "$log")
+    detail=$(summary "$kind" "$stem.log")
     if ((status != 0)); then
         verdict=FAIL
-        FAILED=1
         ((status == 124)) && detail="timed out; $detail"
-        echo "---- $name failed (exit $status); the end of $log:"
-        tail -n 25 "$log"
-    elif [[ $kind == pytest ]] && ! ((DRY_RUN)) && grep -qE '^[0-9]+ skipped' <(tail -n 1 "$log"); then
+    elif [[ $kind == pytest ]] && ! ((DRY_RUN)) && grep -qE '^[0-9]+ skipped' <(tail -n 1 "$stem.log"); then
         verdict=SKIP
     fi
-    ROWS+=("$name|$verdict|$seconds|$detail")
+    echo "$name|$verdict|$seconds|$detail" >"$stem.row"
 }
 
 # One line of what a step's log says: pytest's closing counts, the OK/FAIL lines of compare_logits, or a
@@ -118,37 +118,62 @@ install_wheels || { echo "gpu_smoke: the wheels did not install"; exit 1; }
 export PYTHONPATH=${PYTHONPATH:-$ROOT}
 MODELS=$WORK/models DATA=$WORK/data
 
-step "environment" program -m megarl.doctor
-step "every megarl module imports" shell "$PYTHON" tools/import_every_module.py
-step "tiny models" program checkpoints_tools/make_tiny_model.py --family qwen2 --out "$MODELS/qwen2"
-step "tiny models (qwen3, value)" shell bash -c "
-    $PYTHON checkpoints_tools/make_tiny_model.py --family qwen3 --no-tied --out $MODELS/qwen3 &&
-    $PYTHON checkpoints_tools/make_tiny_model.py --family qwen2 --value-model --out $MODELS/value"
-for dtype in float32 bfloat16; do
-    # fp32 meets the parity rule's 1e-4; bf16 is held to 4x transformers' own bf16 error, measured here.
-    tolerance=$([[ $dtype == float32 ]] && echo 1e-4 || echo 4x)
-    step "compare_logits $dtype" program torchrun checkpoints_tools/compare_logits.py \
-        --hf "$MODELS/qwen2" "$MODELS/qwen3" "$MODELS/value" --dtype "$dtype" --tolerance "$tolerance"
-done
-step "arithmetic data" program -m megarl.data.synthetic --task arithmetic --out-dir "$DATA" \
-    --num-train 20000 --num-test 500 --seed 0
-step "SFT warm start (bf16)" program torchrun launchers/train_sft.py --config configs/quickstart_sft.yaml \
-    "model.path=$MODELS/qwen2" "data.train_files=[$DATA/train.parquet]" "trainer.output_dir=$WORK/runs" \
-    model.dtype=bfloat16 'trainer.loggers=[console]'
-step "GRPO $GRPO_STEPS steps (hf engine, bf16)" program torchrun launchers/train_ppo.py --config configs/quickstart.yaml \
-    "model.path=$WORK/runs/quickstart_sft/hf" "data.train_files=[$DATA/train.parquet]" \
-    "data.val_files=[$DATA/test.parquet]" "trainer.output_dir=$WORK/runs" "trainer.total_steps=$GRPO_STEPS" \
-    trainer.test_freq=0 trainer.log_freq=10 data.max_val_samples=200 rollout.backend=hf model.dtype=bfloat16 'trainer.loggers=[console]'
-for test_file in tests/gpu/test_*.py; do
-    step "${test_file#tests/gpu/}" pytest -m gpu "$test_file"
-done
+step 0 "environment" program -m megarl.doctor
+
+# The user's path: tiny models, parity with transformers, the SFT warm start and GRPO on it.
+user_path() {
+    step 1 "tiny models" program checkpoints_tools/make_tiny_model.py --family qwen2 --out "$MODELS/qwen2"
+    step 1 "tiny models (qwen3, value)" shell bash -c "
+        $PYTHON checkpoints_tools/make_tiny_model.py --family qwen3 --no-tied --out $MODELS/qwen3 &&
+        $PYTHON checkpoints_tools/make_tiny_model.py --family qwen2 --value-model --out $MODELS/value"
+    local dtype tolerance
+    for dtype in float32 bfloat16; do
+        # fp32 meets the parity rule's 1e-4; bf16 is held to 4x transformers' own bf16 error, measured here.
+        tolerance=$([[ $dtype == float32 ]] && echo 1e-4 || echo 4x)
+        step 1 "compare_logits $dtype" program torchrun checkpoints_tools/compare_logits.py \
+            --hf "$MODELS/qwen2" "$MODELS/qwen3" "$MODELS/value" --dtype "$dtype" --tolerance "$tolerance"
+    done
+    step 1 "arithmetic data" program -m megarl.data.synthetic --task arithmetic --out-dir "$DATA" \
+        --num-train 20000 --num-test 500 --seed 0
+    step 1 "SFT warm start (bf16)" program torchrun launchers/train_sft.py --config configs/quickstart_sft.yaml \
+        "model.path=$MODELS/qwen2" "data.train_files=[$DATA/train.parquet]" "trainer.output_dir=$WORK/runs" \
+        model.dtype=bfloat16 'trainer.loggers=[console]'
+    step 1 "GRPO $GRPO_STEPS steps (hf engine, bf16)" program torchrun launchers/train_ppo.py \
+        --config configs/quickstart.yaml "model.path=$WORK/runs/quickstart_sft/hf" \
+        "data.train_files=[$DATA/train.parquet]" "data.val_files=[$DATA/test.parquet]" \
+        "trainer.output_dir=$WORK/runs" "trainer.total_steps=$GRPO_STEPS" trainer.test_freq=0 trainer.log_freq=10 \
+        data.max_val_samples=200 rollout.backend=hf model.dtype=bfloat16 'trainer.loggers=[console]'
+}
+
+# The gpu-marked test files, but the resume test: it has a lane of its own.
+gpu_tests() {
+    step 2 "every megarl module imports" shell "$PYTHON" tools/import_every_module.py
+    local test_file
+    for test_file in tests/gpu/test_*.py; do
+        [[ $test_file == */$RESUME_TEST ]] || step 2 "${test_file#tests/gpu/}" pytest -m gpu "$test_file"
+    done
+}
+
+RESUME_TEST=test_resume_gpu.py
+user_path &
+gpu_tests &
+step 3 "$RESUME_TEST" pytest -m gpu "tests/gpu/$RESUME_TEST" &
+wait
 
 echo
 printf '%-44s %-5s %6s  %s\n' step result secs detail
-for row in "${ROWS[@]}"; do
-    IFS='|' read -r name verdict seconds detail <<<"$row"
+FAILED=0
+for row in "$LOGS"/*.row; do
+    IFS='|' read -r name verdict seconds detail <"$row"
     printf '%-44s %-5s %6s  %s\n' "$name" "$verdict" "$seconds" "$detail"
+    [[ $verdict == FAIL ]] && FAILED=1
 done
 echo "total ${SECONDS}s; logs in $LOGS"
+for row in "$LOGS"/*.row; do
+    if grep -q '|FAIL|' "$row"; then
+        echo "---- the end of ${row%.row}.log:"
+        tail -n 25 "${row%.row}.log"
+    fi
+done
 rm -rf "$WORK"
 exit $FAILED
