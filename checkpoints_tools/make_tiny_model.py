@@ -149,8 +149,9 @@ def rope_parameters(args) -> dict:
     parameters = {"rope_type": args.rope_type, "rope_theta": args.rope_theta}
     if args.family == "glm4_moe":
         parameters["partial_rotary_factor"] = 0.5
-    if args.rope_type == "yarn":  # DeepSeek-V3's settings, for a tenth of its context
-        parameters.update(factor=args.rope_factor, original_max_position_embeddings=args.max_position_embeddings // 4,
+    if args.rope_type == "yarn":  # DeepSeek-V3's settings; the context before scaling is the context / factor, as there
+        original = round(args.max_position_embeddings / args.rope_factor)
+        parameters.update(factor=args.rope_factor, original_max_position_embeddings=original,
                           beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)
     if args.rope_type == "linear":
         parameters["factor"] = args.rope_factor

@@ -9,8 +9,8 @@
 # Triton and pytest; no megatron-core, vLLM or Transformer Engine; nothing can be downloaded. So the wheels
 # travel with the checkout (installed with --no-deps into a temporary target), rollouts use the `hf` engine,
 # and every job runs one rank (NCCL takes one rank per GPU). The steps run in three lanes at once (the user's
-# path: models, parity, SFT, GRPO; the gpu test files; the resume test, the longest), each lane's steps one
-# after another; the GPU and the box's cores hold the tiny models of all three. They share a deadline of
+# path: models, parity, SFT, GRPO; the gpu test files; the resume test, then mixture-of-experts models with
+# multi-latent attention), each lane's steps one after another; the GPU and the box's cores hold the tiny models of all three. They share a deadline of
 # DEADLINE_S seconds (default 470, under 8 minutes); a step's log is in the logs folder (default: a temporary
 # one). GRPO_STEPS (default 50) sets the length of the GRPO run.
 #
@@ -154,10 +154,33 @@ gpu_tests() {
     done
 }
 
+# The resume test, then DeepSeek-V3 (multi-latent attention, sigmoid routing with groups, YaRN), GLM-4.5 and
+# Qwen3-MoE: parity with transformers, and GRPO steps of the MLA model from its random start.
+resume_and_moe() {
+    step 3 "$RESUME_TEST" pytest -m gpu "tests/gpu/$RESUME_TEST"
+    step 3 "tiny MoE models" shell bash -c "
+        $PYTHON checkpoints_tools/make_tiny_model.py --family deepseek_v3 --rope-type yarn --n-group 2 --no-tied \
+            --out $MODELS/deepseek_v3 &&
+        $PYTHON checkpoints_tools/make_tiny_model.py --family glm4_moe --out $MODELS/glm4_moe &&
+        $PYTHON checkpoints_tools/make_tiny_model.py --family qwen3_moe --out $MODELS/qwen3_moe &&
+        $PYTHON -m megarl.data.synthetic --task arithmetic --out-dir $WORK/moe_data --num-train 2000 --num-test 50"
+    local dtype tolerance
+    for dtype in float32 bfloat16; do
+        tolerance=$([[ $dtype == float32 ]] && echo 1e-4 || echo 4x)
+        step 3 "compare_logits MoE $dtype" program torchrun checkpoints_tools/compare_logits.py \
+            --hf "$MODELS/deepseek_v3" "$MODELS/glm4_moe" "$MODELS/qwen3_moe" --dtype "$dtype" --tolerance "$tolerance"
+    done
+    step 3 "GRPO 5 steps DeepSeek-V3 (hf engine, bf16)" program torchrun launchers/train_ppo.py \
+        --config configs/mla_quickstart.yaml "model.path=$MODELS/deepseek_v3" actor.ep=1 \
+        "data.train_files=[$WORK/moe_data/train.parquet]" "data.val_files=[$WORK/moe_data/test.parquet]" \
+        "trainer.output_dir=$WORK/runs" trainer.total_steps=5 trainer.test_freq=0 trainer.log_freq=1 \
+        data.max_val_samples=50 model.dtype=bfloat16 'trainer.loggers=[console]'
+}
+
 RESUME_TEST=test_resume_gpu.py
 user_path &
 gpu_tests &
-step 3 "$RESUME_TEST" pytest -m gpu "tests/gpu/$RESUME_TEST" &
+resume_and_moe &
 wait
 
 echo
