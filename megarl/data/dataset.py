@@ -174,3 +174,5 @@ class Prompt:
     extra_info: dict
     index: int
     """Position in the concatenated files, before filtering."""
+    origin: str = ""
+    """Where the prompt was read, `FILE: row N`, for messages about it ('' for a prompt made in code)."""

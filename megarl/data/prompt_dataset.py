@@ -98,7 +98,8 @@ class PromptDataset:
         extra_info = (table.column("extra_info")[row].as_py(maps_as_pydicts="strict")
                       if "extra_info" in table.column_names else None)
         return Prompt(table.column("prompt_ids")[row].values.to_pylist(), table.column("data_source")[row].as_py(),
-                      table.column("ground_truth")[row].as_py(), extra_info or {}, index)
+                      table.column("ground_truth")[row].as_py(), extra_info or {}, index,
+                      f"{self.files[file]}: row {row}")
 
     def describe(self) -> str:
         """One line for the start-up log: sizes and the time it took to open the files."""

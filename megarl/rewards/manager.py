@@ -36,6 +36,8 @@ class ScoringItem:
     solution_str: str
     ground_truth: str
     extra_info: dict | None = None
+    origin: str = ""
+    """Where the item's prompt was read (`FILE: row N`), named when scoring it fails."""
 
 
 @dataclass
@@ -122,6 +124,7 @@ class RewardManager:
         self.compute_score = compute_score
         self.timeout_seconds = timeout_seconds
         self._scorer = _ScorerThread()
+        self._failure_logged = False
 
     def score(self, items: list[ScoringItem]) -> RewardResult:
         result = RewardResult(scores=[])
@@ -143,14 +146,15 @@ class RewardManager:
                 result.num_errors += 1
                 failure = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
             if failure is not None and result.first_error is None:
-                result.first_error = f"item {index} (data_source {item.data_source!r}): {failure}"
+                result.first_error = f"{item.origin or f'item {index}'} (data_source {item.data_source!r}): {failure}"
             result.scores.append(score)
             extras_per_item.append(extras)
         for key in sorted({key for extras in extras_per_item for key in extras}):
             result.extra[key] = [extras.get(key, math.nan) for extras in extras_per_item]
-        if result.num_errors or result.num_timeouts:
-            logger.warning("reward scoring: %d errors, %d timeouts of %d items; first: %s",
-                           result.num_errors, result.num_timeouts, len(items), result.first_error)
+        if result.first_error and not self._failure_logged:
+            logger.warning("reward scoring failed on %s; this and later failures score 0 and are counted in "
+                           "reward/errors and reward/timeouts (logged once)", result.first_error)
+            self._failure_logged = True
         return result
 
 

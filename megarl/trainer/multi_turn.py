@@ -143,5 +143,5 @@ def final_rewards(trajectories: list[Trajectory], prompts: list[Prompt], rewards
 
 
 def _function_scores(trajectories: list[Trajectory], prompts: list[Prompt], rewards: RewardManager) -> RewardResult:
-    return rewards.score([ScoringItem(prompts[t.index].data_source, t.final_text, prompts[t.index].ground_truth,
-                                      prompts[t.index].extra_info) for t in trajectories])
+    return rewards.score([ScoringItem(prompt.data_source, t.final_text, prompt.ground_truth, prompt.extra_info,
+                                      prompt.origin) for t in trajectories for prompt in [prompts[t.index]]])

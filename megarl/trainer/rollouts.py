@@ -154,7 +154,7 @@ def collect_rollouts(prompts: list[Prompt], engine: RolloutEngine, sampling: Sam
             rollouts.routed_experts[start * n : stop * n] = output.routed_experts
         if rank % engine_tp == 0:  # the replica's other ranks hold the same responses
             texts = tokenizer.batch_decode(output.response_ids, skip_special_tokens=True)
-            result = rewards.score([ScoringItem(p.data_source, text, p.ground_truth, p.extra_info)
+            result = rewards.score([ScoringItem(p.data_source, text, p.ground_truth, p.extra_info, p.origin)
                                     for p, text in zip(rollouts.prompts[start * n : stop * n], texts)])
     share_scores(rollouts, output, result, start * n)
     return rollouts

@@ -57,6 +57,7 @@ def test_items_equal_the_tokenizers_ids_and_the_cache_is_built_once(tmp_path, to
         assert first[i].index == i
     assert (first[2].ground_truth, first[2].extra_info, first[2].data_source) == ("2", {"index": 2}, "arithmetic")
     assert (first[5].ground_truth, first[5].extra_info, first[6].extra_info) == ("4", {"k": 1}, {})
+    assert (first[4].origin, first[6].origin) == (f"{chat}: row 4", f"{plain}: row 1")
     again = PromptDataset([chat, str(plain)], tokenizer, max_prompt_length=64, cache_dir=tmp_path / "cache")
     assert again.num_built == 0 and [p.prompt_ids for p in again] == [p.prompt_ids for p in first]
     assert "7 prompts (7 rows, 0 over max_prompt_length)" in again.describe()

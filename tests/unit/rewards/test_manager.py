@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -28,17 +29,22 @@ def test_math_verify_runs_in_the_worker_thread():
     assert result.scores == [1.0, 0.0] and result.num_errors == 0
 
 
-def test_raising_scorer_scores_zero_and_is_counted():
+def test_raising_scorer_scores_zero_is_counted_and_logged_once_with_its_row(caplog):
     def scorer(data_source, solution_str, ground_truth, extra_info=None):
         if solution_str == "boom":
             raise KeyError("missing\nthing")
         return 1.0
 
-    result = RewardManager(scorer).score(items("a", "boom", "b", "boom"))
+    manager = RewardManager(scorer)
+    batch = [replace(item, origin=f"train.parquet: row {row}") for row, item in enumerate(items("a", "boom", "b", "boom"))]
+    result = manager.score(batch)
     assert result.scores == [1.0, 0.0, 1.0, 0.0]
     assert (result.num_errors, result.num_timeouts) == (2, 0)
-    assert result.first_error.startswith("item 1 (data_source 'arithmetic'): KeyError")
+    assert result.first_error.startswith("train.parquet: row 1 (data_source 'arithmetic'): KeyError")
     assert "\n" not in result.first_error
+    assert manager.score(batch).num_errors == 2  # the next step's failures: counted, not logged again
+    logged = [record.getMessage() for record in caplog.records if record.name == "megarl.rewards.manager"]
+    assert len(logged) == 1 and "train.parquet: row 1" in logged[0], logged
 
 
 def test_slow_scorer_times_out_and_the_run_goes_on():
