@@ -90,7 +90,8 @@ def one_after_another(requests: list[AsyncRequest]) -> AsyncRequest:
     and each save's finalization (which writes its index) takes the next report from it: two saves
     in flight at once (actor and critic) can take each other's reports and publish an index that
     points at the wrong bytes. Written in turn, the reports arrive in the order the finalizations
-    read them. Tensors are staged to host memory now, at the step being saved."""
+    read them. Tensors are staged to host memory now, at the step being saved. The writer process
+    dies with the worker that forked it (the processes it forks for its buckets finish their bucket)."""
     staged = []
     for request in requests:
         args = list(request.async_fn_args)
@@ -98,7 +99,8 @@ def one_after_another(requests: list[AsyncRequest]) -> AsyncRequest:
             args[1] = request.preload_fn()
         staged.append((request.async_fn, args, request.async_fn_kwargs))
 
-    def write_in_turn():
+    def write_in_turn():  # in the writer process megatron forks
+        exit_with_parent()  # no one publishes what it writes once its worker is dead
         for write, args, kwargs in staged:
             write(*args, **kwargs)
 

@@ -70,8 +70,8 @@ def exit_with_parent() -> None:
     """Have the kernel SIGKILL this process when its parent (the torchrun agent) dies (Linux).
 
     A worker whose agent died before this call cannot join the world: the agent hosts the store
-    that `init_process_group` connects to. Children of this process (checkpoint writers) are not
-    covered; they finish their write and exit, and only the workers themselves publish a checkpoint."""
+    that `init_process_group` connects to. The setting is not inherited: a process this one forks
+    (a checkpoint writer) calls this itself to die with it."""
     if sys.platform != "linux":
         return
     pr_set_pdeathsig = 1  # from <linux/prctl.h>
