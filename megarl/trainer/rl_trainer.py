@@ -337,6 +337,8 @@ class RLTrainer:
         ))
         tensors["advantages"], tensors["returns"] = advantages_BR * mask_BR, returns_BR * mask_BR
         valid = mask_BR.bool()
+        if baseline_B is not None:
+            stats.add_mean("reward/greedy_baseline_mean", baseline_B)
         stats.add_mean("advantages/mean", advantages_BR[valid])
         stats.add_range("advantages", advantages_BR[valid])
         stats.add_mean("returns/mean", returns_BR[valid])

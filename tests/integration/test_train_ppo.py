@@ -150,14 +150,22 @@ def test_multi_turn_grpo_variants_give_the_run_at_dp1(tiny_models, arithmetic, t
     assert all(0 <= f <= 1 for f in function) and all(abs(t - f) > 1e-6 for t, f in zip(total, function))
 
 
-def test_remax_generates_its_greedy_baseline(tiny_models, arithmetic, tmp_path):
-    # The `hf` engine: the greedy pass is the trainer's request (vLLM's greedy: every run's validation).
+def test_remax_baseline_is_the_greedy_reward(tiny_models, tmp_path):
+    # Four prompts, trained as step 1's whole batch and validated (greedily, by the validation's own
+    # code) before it: the greedy baseline's mean at step 1 is the step-0 validation score. The user
+    # reward scores the text's parity, so the greedy responses score a mix of 0 and 1. The `hf`
+    # engine: the greedy pass is the trainer's request (vLLM's greedy: every run's validation).
+    train, _ = make_arithmetic(4, 4, seed=0, out_dir=tmp_path / "data")
     result = torchrun(1, ROOT / "launchers/train_ppo.py", "--config", "configs/quickstart.yaml",
-                      *_overrides(tiny_models["llama-tied"], arithmetic, tmp_path, "algorithm.adv_estimator=remax",
-                                  "rollout.backend=hf"),
+                      *_overrides(tiny_models["llama-untied"], (train, train), tmp_path, "algorithm.adv_estimator=remax",
+                                  "rollout.backend=hf", "trainer.total_steps=1", "data.max_val_samples=4",
+                                  f"reward.function={ROOT / 'tests/integration/user_reward.py'}:compute_score"),
                       timeout=600)
     assert_succeeded(result)
-    assert _logged(tmp_path / "quickstart_grpo", "quickstart_grpo", "advantages/mean") == [1, 2]
+    run = tmp_path / "quickstart_grpo"
+    validated = dict(_history(run, "quickstart_grpo", "val/score/mean"))[0]
+    assert _values(run, "quickstart_grpo", "reward/greedy_baseline_mean") == [pytest.approx(validated)]
+    assert 0 < validated < 1
 
 
 def test_opd_at_pp2_with_the_student_as_teacher_has_zero_kl(tiny_models, arithmetic, tmp_path):
