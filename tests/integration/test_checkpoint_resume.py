@@ -8,7 +8,7 @@ alone, whose workers must die with it. Then `resume_mode=auto` continues from th
 newest complete checkpoint. The resumed job must train exactly the steps after that checkpoint and
 log every metric bitwise equal to an uninterrupted run (CPU: the same kernels on the same bytes),
 for GRPO at DP2 and for PPO with a critic at TP2, and its Adam state must count one step per
-optimizer step taken. Checkpoints are layout-independent (DP2 -> TP2, TP2 -> PP2).
+optimizer step taken. Checkpoints are layout-independent (DP2 -> PP2, TP2 -> DP2).
 
 Split placement at staleness 1 (one trainer rank, one rollout rank, `hf` engine) checkpoints the batch the
 rollout rank generated ahead: killed twice while that batch is queued, the resumed job trains every
@@ -212,11 +212,11 @@ def test_a_job_killed_twice_resumes_bitwise(tiny_models, arithmetic, tmp_path, u
         assert _adam_steps(tmp_path, job, engine) == {float(TOTAL_STEPS * TRAIN_BATCH_SIZE // MINI_BATCH_SIZE)}
 
 
-# DP2 -> PP2 would add nothing: DP2 -> TP2 loads DP-sharded optimizer state at DP1, TP2 -> PP2 loads
-# a checkpoint of another layout onto two pipeline stages.
-@pytest.mark.parametrize(("name", "layout"), [("grpo_dp2", "actor.tp=2"), ("ppo_tp2", "actor.tp=1 actor.pp=2")])
+# DP2 -> PP2 loads DP-sharded optimizer state at DP1 onto two pipeline stages; TP2 -> DP2 loads
+# TP-sharded weights and optimizer state whole, then shards the optimizer state over DP.
+@pytest.mark.parametrize(("name", "layout"), [("grpo_dp2", "actor.pp=2"), ("ppo_tp2", "actor.tp=1")])
 def test_a_checkpoint_resumes_at_another_layout(tiny_models, arithmetic, tmp_path, uninterrupted, name, layout):
-    """The uninterrupted run's checkpoint of step 2 (DP2 or TP2), resumed at TP2 or PP2 (TP1)."""
+    """The uninterrupted run's checkpoint of step 2 (DP2 or TP2), resumed at PP2 or DP2."""
     job = JOBS[name]
     reference_out, reference, _ = uninterrupted[name]
     shutil.copytree(_checkpoints(reference_out, job) / "global_step_2", _checkpoints(tmp_path, job) / "global_step_2")

@@ -4,7 +4,6 @@ whole-world greedy planner it replaced, and at 1,024 ranks (TP8xPP8xDP16 -> TP_r
 from __future__ import annotations
 
 import math
-import time
 from collections import defaultdict
 from dataclasses import replace
 
@@ -236,14 +235,12 @@ def _plan_of(rank, tp, pp, dp, engine_tp, itemsize=2):
     return plan_for_rank(rank, sources, needs_of, shapes, itemsize)
 
 
-def test_1024_ranks_plan_per_rank_in_under_a_second_and_every_send_meets_its_receive():
+def test_1024_ranks_plan_per_rank_and_every_send_meets_its_receive():
     # TP8xPP8xDP16 -> TP_r=8, Llama-2 70B: 1,024 ranks, each planning from its replica's 64 shard
-    # descriptions. Rank 517's plan (timed), and the plans of every rank it exchanges with.
+    # descriptions. Rank 517's plan, and the plans of every rank it exchanges with. (How long a rank
+    # takes to plan is measured by bench/resharding_cost_model.py.)
     tp, pp, dp, engine_tp, rank = 8, 8, 16, 8, 517
-    start = time.perf_counter()
     plan = _plan_of(rank, tp, pp, dp, engine_tp)
-    seconds = time.perf_counter() - start
-    assert seconds < 1.0, f"per-rank plan took {seconds:.2f} s"
     assert plan.bytes_received(rank) == plan.lower_bound(rank) > 0
     peers = {t.src for t in plan.transfers} | {t.dst for t in plan.transfers}
     # Only its own DP replica (the same DP coordinate): here the same TP rank of every other stage
