@@ -150,6 +150,26 @@ def test_multi_turn_grpo_variants_give_the_run_at_dp1(tiny_models, arithmetic, t
     assert all(0 <= f <= 1 for f in function) and all(abs(t - f) > 1e-6 for t, f in zip(total, function))
 
 
+def test_grpo_at_tp2_pp2_dp2_on_vllm_engines_at_tp2(tiny_models, arithmetic, tmp_path, monkeypatch):
+    # The whole 3D path on vLLM: 8 processes train at TP2xPP2xDP2 and generate on 4 vLLM engines of TP2,
+    # fed by the resharding sync every step. The engines' log-probs of their own samples match the
+    # trainer's (the weights arrived whole and in place), and each sequence is scored exactly once
+    # though both ranks of an engine hold it: 4 prompts x 8 samples x 2 steps, and 8 validation
+    # prompts before training and after the last step.
+    calls = tmp_path / "calls"
+    calls.mkdir()
+    monkeypatch.setenv("MEGARL_TEST_REWARD_CALLS", str(calls))
+    result = torchrun(8, ROOT / "launchers/train_ppo.py", "--config", "configs/quickstart.yaml",
+                      *_overrides(tiny_models["qwen2-untied"], arithmetic, tmp_path, "actor.tp=2", "actor.pp=2",
+                                  "rollout.tp=2", f"reward.function={USER_REWARD}"),
+                      timeout=900)
+    assert_succeeded(result)
+    run = tmp_path / "quickstart_grpo"
+    assert sum(len(f.read_text().splitlines()) for f in calls.iterdir()) == 4 * 8 * 2 + 2 * 8
+    mismatch = _values(run, "quickstart_grpo", "mismatch/logprob_abs_diff_max")
+    assert len(mismatch) == 2 and max(mismatch) < 1e-3, mismatch
+
+
 def test_remax_baseline_is_the_greedy_reward(tiny_models, tmp_path):
     # Four prompts, trained as step 1's whole batch and validated (greedily, by the validation's own
     # code) before it: the greedy baseline's mean at step 1 is the step-0 validation score. The user
