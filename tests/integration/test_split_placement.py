@@ -1,4 +1,4 @@
-"""Split placement at staleness 0 is the colocated run, moved: the real launcher for 2 GRPO steps with
+"""Split placement at staleness 0 is the colocated run, moved: the real launcher for 3 GRPO steps with
 1 trainer + 1 rollout rank (`hf` engine) and with a TP2 trainer + 2 rollout ranks (one vLLM engine
 at TP2), each against the colocated run of the same trainer layout and engine. Every prompt samples
 with its own seed and the engine holds the trainer's weights of the previous step, so the responses
@@ -14,7 +14,7 @@ import pytest
 from megarl.data.synthetic import make_arithmetic
 from tests.conftest import ROOT, assert_succeeded, torchrun
 
-STEPS = 2
+STEPS = 3
 CASES = {  # name: (processes, overrides shared by both runs, split placement's own)
     "1+1-hf": (1, ["rollout.backend=hf"], ["rollout.num_ranks=1"]),
     "tp2+2-vllm-tp2": (2, ["actor.tp=2", "rollout.tp=2"], ["rollout.num_ranks=2"]),
