@@ -398,10 +398,12 @@ def plan_sync(arch: Architecture, layout: TrainingLayout, engine_tp: int) -> Syn
         shard_shapes |= shapes
     hf_shapes = hf_shapes_from([p for pieces in (*dense.values(), *experts.values()) for p in pieces], shard_shapes)
     traffic = SyncTraffic(0, [], [], [0] * layout.world, [0] * layout.world, 0)
+    def needs_of(r, names):
+        return engine_needs(r, r % engine_tp, engine_tp, hf_shapes, arch, names)
+
     for rank in range(layout.world):
-        needs = engine_needs(rank, rank % engine_tp, engine_tp, hf_shapes, arch)
         plan = plan_for_rank(rank, [p for r in layout.dense_replica(rank) for p in dense[r]],
-                             lambda r, rank=rank: needs if r == rank else [], hf_shapes, BF16,
+                             lambda r, names, rank=rank: needs_of(r, names) if r == rank else [], hf_shapes, BF16,
                              expert_replica=[p for r in layout.expert_replica(rank) for p in experts[r]])
         traffic.received.append(plan.bytes_received(rank))
         traffic.lower_bound.append(plan.lower_bound(rank))
@@ -412,8 +414,7 @@ def plan_sync(arch: Architecture, layout: TrainingLayout, engine_tp: int) -> Syn
                 (traffic.intra_node if same_node else traffic.inter_node)[rank] += plan.slice_bytes(
                     t.hf_name, t.dim, t.start, t.stop)
     start = time.perf_counter()
-    plan_for_rank(0, [p for r in layout.dense_replica(0) for p in dense[r]],
-                  lambda r: engine_needs(r, r % engine_tp, engine_tp, hf_shapes, arch), hf_shapes, BF16,
+    plan_for_rank(0, [p for r in layout.dense_replica(0) for p in dense[r]], needs_of, hf_shapes, BF16,
                   expert_replica=[p for r in layout.expert_replica(0) for p in experts[r]])
     traffic.plan_seconds = time.perf_counter() - start
     traffic.model_bytes = sum(plan.slice_bytes(name, 0, 0, shape[0]) for name, shape in hf_shapes.items())

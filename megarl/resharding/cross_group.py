@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Iterator
+from typing import Collection, Iterator
 
 import torch
 
@@ -51,10 +51,10 @@ class CrossGroupSync:
         self.replica_ranks = range(first, first + engine_tp)
         """The engine replica fed by the trainers; the others receive by broadcast from it."""
 
-        def needs_of(rank: int) -> list[Need]:
+        def needs_of(rank: int, names: Collection[str] | None) -> list[Need]:
             if rank not in self.replica_ranks:
                 return []
-            return engine_needs(rank, rank - first, engine_tp, shapes, arch)
+            return engine_needs(rank, rank - first, engine_tp, shapes, arch, names)
 
         itemsize = max(dtype.itemsize for dtype in dtypes.values())
         self.plan = plan_for_rank(self.rank, dense, needs_of, shapes, itemsize, experts, self.replica_ranks)

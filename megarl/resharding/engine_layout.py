@@ -16,6 +16,9 @@ evenly; the down projections (q_a_proj, kv_a_proj_with_mqa) and the latents' nor
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Collection
+
 from megarl.models.architecture import Architecture
 from megarl.resharding.plan import Need
 
@@ -39,9 +42,22 @@ def _split(name: str) -> tuple[str, int]:
 
 
 def engine_needs(rank: int, engine_tp_rank: int, engine_tp: int, hf_shapes: dict[str, tuple[int, ...]],
-                 arch: Architecture) -> list[Need]:
-    needs = []
-    for name, shape in sorted(hf_shapes.items()):
+                 arch: Architecture, names: Collection[str] | None = None) -> list[Need]:
+    """What engine rank `rank` (at `engine_tp_rank` of its engine) needs of every HF tensor, or of `names`.
+    A rank plans what it sends to every engine rank of its replica (hundreds, each needing slices of up
+    to 70,000 tensors for a frontier MoE model), so the slices of each engine TP rank are computed once,
+    and only those of the tensors it holds become `Need`s."""
+    slices = _engine_slices(engine_tp_rank, engine_tp, tuple(sorted(hf_shapes.items())), arch.num_kv_heads,
+                            arch.head_dim)
+    return [Need(rank, name, dim, start, stop) for name, dim, start, stop in slices if names is None or name in names]
+
+
+@functools.lru_cache(maxsize=64)
+def _engine_slices(engine_tp_rank: int, engine_tp: int, shapes: tuple[tuple[str, tuple[int, ...]], ...],
+                   num_kv_heads: int, head_dim: int) -> tuple[tuple[str, int, int, int], ...]:
+    """(name, dim, start, stop) of each tensor slice an engine TP rank holds, in name order."""
+    slices = []
+    for name, shape in shapes:
         kind, dim = _split(name)
         size = shape[dim]
         if engine_tp == 1 or kind == "whole":
@@ -50,16 +66,16 @@ def engine_needs(rank: int, engine_tp_rank: int, engine_tp: int, hf_shapes: dict
             per_rank = size // engine_tp
             start, stop = engine_tp_rank * per_rank, (engine_tp_rank + 1) * per_rank
         elif kind == "kv_heads":
-            if arch.num_kv_heads >= engine_tp:
+            if num_kv_heads >= engine_tp:
                 per_rank = size // engine_tp
                 start, stop = engine_tp_rank * per_rank, (engine_tp_rank + 1) * per_rank
             else:  # each KV head is replicated on engine_tp / num_kv_heads ranks
-                head = engine_tp_rank * arch.num_kv_heads // engine_tp
-                start, stop = head * arch.head_dim, (head + 1) * arch.head_dim
+                head = engine_tp_rank * num_kv_heads // engine_tp
+                start, stop = head * head_dim, (head + 1) * head_dim
         else:  # vocab
             padded = -(-size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
             per_rank = padded // engine_tp
             start, stop = min(size, engine_tp_rank * per_rank), min(size, (engine_tp_rank + 1) * per_rank)
         if stop > start:
-            needs.append(Need(rank, name, dim, start, stop))
-    return needs
+            slices.append((name, dim, start, stop))
+    return tuple(slices)

@@ -28,7 +28,7 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple
+from typing import Collection, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -188,8 +188,8 @@ class WeightSync:
 
         # vLLM forms its TP groups from consecutive ranks of the world: what a rank needs depends on
         # its engine TP rank only.
-        def needs_of(rank: int) -> list[Need]:
-            return engine_needs(rank, rank % engine_tp, engine_tp, self.hf_shapes, arch)
+        def needs_of(rank: int, names: Collection[str] | None) -> list[Need]:
+            return engine_needs(rank, rank % engine_tp, engine_tp, self.hf_shapes, arch, names)
 
         self.plan: Plan = plan_for_rank(self.rank, dense_sources, needs_of, self.hf_shapes, itemsize, expert_sources)
         self.needs = {need.hf_name: need for need in self.plan.needs}

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 
 @dataclass(frozen=True)
@@ -113,26 +113,31 @@ class Plan:
                 if need.rank == rank and len(into[need.hf_name]) == 1 and into[need.hf_name][0].src == rank}
 
 
-def plan_for_rank(rank: int, replica: list[SourcePiece], needs_of: Callable[[int], list[Need]],
-                  hf_shapes: dict[str, tuple[int, ...]], itemsize: int,
-                  expert_replica: list[SourcePiece] = (), receivers: Sequence[int] | None = None) -> Plan:
+NeedsOf = Callable[[int, Collection[str] | None], list[Need]]
+"""`needs_of(r, names)`: what engine rank r needs of the HF tensors `names` (of every tensor when None);
+a pure function of r's engine TP rank."""
+
+
+def plan_for_rank(rank: int, replica: list[SourcePiece], needs_of: NeedsOf, hf_shapes: dict[str, tuple[int, ...]],
+                  itemsize: int, expert_replica: list[SourcePiece] = (),
+                  receivers: Sequence[int] | None = None) -> Plan:
     """The transfers `rank` sends or receives. `replica`: the pieces every rank of `rank`'s DP replica
-    holds; `needs_of(r)`: what engine rank r needs (a pure function of r's engine TP rank);
-    `expert_replica`: the routed experts' pieces every rank of `rank`'s expert replica holds, over
+    holds; `expert_replica`: the routed experts' pieces every rank of `rank`'s expert replica holds, over
     which the experts are planned (the ranks of one expert-data-parallel rank: their EP ranks span
     several DP replicas). `receivers`: the engine ranks this rank may send to; by default the
     replica's own ranks (colocated engines), under split placement the rollout ranks."""
     experts = {piece.hf_name for piece in expert_replica}
-    plan = _plan_over(rank, replica, lambda r: [n for n in needs_of(r) if n.hf_name not in experts], hf_shapes,
+    dense = set(hf_shapes) - experts
+    plan = _plan_over(rank, replica, lambda r, names: needs_of(r, dense if names is None else names), hf_shapes,
                       itemsize, receivers)
     if not experts:
         return plan
     return merge_plans([plan, _plan_over(rank, list(expert_replica),
-                                         lambda r: [n for n in needs_of(r) if n.hf_name in experts],
+                                         lambda r, names: needs_of(r, experts if names is None else names),
                                          hf_shapes, itemsize, receivers)])
 
 
-def _plan_over(rank: int, replica: list[SourcePiece], needs_of: Callable[[int], list[Need]],
+def _plan_over(rank: int, replica: list[SourcePiece], needs_of: NeedsOf,
                hf_shapes: dict[str, tuple[int, ...]], itemsize: int, receivers: Sequence[int] | None) -> Plan:
     """`plan_for_rank` for the tensors of one replica: `rank` receives from its ranks and sends to
     `receivers` (the replica's ranks by default)."""
@@ -140,14 +145,13 @@ def _plan_over(rank: int, replica: list[SourcePiece], needs_of: Callable[[int], 
     for piece in replica:
         by_name[piece.hf_name].append(piece)
     mine = {piece.hf_name for piece in replica if piece.rank == rank}
-    plan = Plan([], hf_shapes, itemsize, needs_of(rank))
+    plan = Plan([], hf_shapes, itemsize, needs_of(rank, None))
     for need in plan.needs:
         plan.transfers += _cover(need, by_name)
     receivers = {piece.rank for piece in replica} if receivers is None else set(receivers)
     for receiver in sorted(receivers - {rank}):
-        for need in needs_of(receiver):
-            if need.hf_name in mine:
-                plan.transfers += [t for t in _cover(need, by_name) if t.src == rank]
+        for need in needs_of(receiver, mine):
+            plan.transfers += [t for t in _cover(need, by_name) if t.src == rank]
     return plan
 
 

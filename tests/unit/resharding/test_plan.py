@@ -70,8 +70,8 @@ def _sources():
 def _world_plan(sources, shapes, engine_tp: int, world: int) -> Plan:
     """Every rank's own plan, merged, after checking that each transfer between two ranks is in the
     plans of both (a send without its receive, or the reverse, would hang the sync)."""
-    def needs_of(rank):
-        return engine_needs(rank, rank % engine_tp, engine_tp, shapes, ARCH)
+    def needs_of(rank, names):
+        return engine_needs(rank, rank % engine_tp, engine_tp, shapes, ARCH, names)
 
     plans = [plan_for_rank(rank, sources, needs_of, shapes, itemsize=4) for rank in range(world)]
     for rank, plan in enumerate(plans):
@@ -150,7 +150,8 @@ def test_rank0_allocates_its_engine_shard_but_what_it_lends_and_staging_for_colu
     # What it sends (whole shards of its own) needs no staging. The norms of layer 0 (16 values each),
     # which it holds whole, are lent to the engine as views of its shards: not allocated.
     sources, shapes = _sources()
-    plan = plan_for_rank(0, sources, lambda r: engine_needs(r, r % 2, 2, shapes, ARCH), shapes, itemsize=4)
+    plan = plan_for_rank(0, sources, lambda r, names: engine_needs(r, r % 2, 2, shapes, ARCH, names), shapes,
+                         itemsize=4)
     own = {mapping.megatron_name: shape for mapping, shape in _stage_mappings(0)}
     staging = (16 * 4 + 16 * 2 + 2 * 16 * 4 + 2 * 16 * 2) * 4
     assert plan.lent(0) == {f"model.layers.0.{norm}.weight" for norm in ("input_layernorm", "post_attention_layernorm")}
@@ -229,8 +230,8 @@ def _plan_of(rank, tp, pp, dp, engine_tp, itemsize=2):
     replica = (rank // tp) % dp
     sources, shapes = _replica_sources(tp, pp, dp, replica)
 
-    def needs_of(r):
-        return engine_needs(r, r % engine_tp, engine_tp, shapes, LLAMA)
+    def needs_of(r, names):
+        return engine_needs(r, r % engine_tp, engine_tp, shapes, LLAMA, names)
 
     return plan_for_rank(rank, sources, needs_of, shapes, itemsize)
 
@@ -291,8 +292,9 @@ def test_experts_come_from_the_expert_replica_and_only_missing_bytes_move(tp, en
     plans = []
     for rank in range(world):
         dense, experts, shapes = _moe_sources(tp, rank)
-        plans.append(plan_for_rank(rank, dense, lambda r: engine_needs(r, r % engine_tp, engine_tp, shapes, ARCH),
-                                   shapes, 4, experts))
+        plans.append(plan_for_rank(
+            rank, dense, lambda r, names: engine_needs(r, r % engine_tp, engine_tp, shapes, ARCH, names), shapes, 4,
+            experts))
     for rank, plan in enumerate(plans):
         assert plan.bytes_received(rank) == plan.lower_bound(rank)
         for t in plan.transfers:
