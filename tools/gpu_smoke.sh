@@ -120,19 +120,25 @@ MODELS=$WORK/models DATA=$WORK/data
 
 step 0 "environment" program -m megarl.doctor
 
+# parity LANE NAME MODEL...: megatron against transformers in fp32, held to the parity rule's 1e-4, and in
+# bf16, held to 4x transformers' own bf16 error, measured here.
+parity() {
+    local lane=$1 name=$2 dtype tolerance
+    shift 2
+    for dtype in float32 bfloat16; do
+        tolerance=$([[ $dtype == float32 ]] && echo 1e-4 || echo 4x)
+        step "$lane" "$name $dtype" program torchrun checkpoints_tools/compare_logits.py --hf "$@" --dtype "$dtype" \
+            --tolerance "$tolerance"
+    done
+}
+
 # The user's path: tiny models, parity with transformers, the SFT warm start and GRPO on it.
 user_path() {
     step 1 "tiny models" program checkpoints_tools/make_tiny_model.py --family qwen2 --out "$MODELS/qwen2"
     step 1 "tiny models (qwen3, value)" shell bash -c "
         $PYTHON checkpoints_tools/make_tiny_model.py --family qwen3 --no-tied --out $MODELS/qwen3 &&
         $PYTHON checkpoints_tools/make_tiny_model.py --family qwen2 --value-model --out $MODELS/value"
-    local dtype tolerance
-    for dtype in float32 bfloat16; do
-        # fp32 meets the parity rule's 1e-4; bf16 is held to 4x transformers' own bf16 error, measured here.
-        tolerance=$([[ $dtype == float32 ]] && echo 1e-4 || echo 4x)
-        step 1 "compare_logits $dtype" program torchrun checkpoints_tools/compare_logits.py \
-            --hf "$MODELS/qwen2" "$MODELS/qwen3" "$MODELS/value" --dtype "$dtype" --tolerance "$tolerance"
-    done
+    parity 1 "compare_logits" "$MODELS/qwen2" "$MODELS/qwen3" "$MODELS/value"
     step 1 "arithmetic data" program -m megarl.data.synthetic --task arithmetic --out-dir "$DATA" \
         --num-train 20000 --num-test 500 --seed 0
     step 1 "SFT warm start (bf16)" program torchrun launchers/train_sft.py --config configs/quickstart_sft.yaml \
@@ -164,12 +170,7 @@ resume_and_moe() {
         $PYTHON checkpoints_tools/make_tiny_model.py --family glm4_moe --out $MODELS/glm4_moe &&
         $PYTHON checkpoints_tools/make_tiny_model.py --family qwen3_moe --out $MODELS/qwen3_moe &&
         $PYTHON -m megarl.data.synthetic --task arithmetic --out-dir $WORK/moe_data --num-train 2000 --num-test 50"
-    local dtype tolerance
-    for dtype in float32 bfloat16; do
-        tolerance=$([[ $dtype == float32 ]] && echo 1e-4 || echo 4x)
-        step 3 "compare_logits MoE $dtype" program torchrun checkpoints_tools/compare_logits.py \
-            --hf "$MODELS/deepseek_v3" "$MODELS/glm4_moe" "$MODELS/qwen3_moe" --dtype "$dtype" --tolerance "$tolerance"
-    done
+    parity 3 "compare_logits MoE" "$MODELS/deepseek_v3" "$MODELS/glm4_moe" "$MODELS/qwen3_moe"
     step 3 "GRPO 5 steps DeepSeek-V3 (hf engine, bf16)" program torchrun launchers/train_ppo.py \
         --config configs/mla_quickstart.yaml "model.path=$MODELS/deepseek_v3" actor.ep=1 \
         "data.train_files=[$WORK/moe_data/train.parquet]" "data.val_files=[$WORK/moe_data/test.parquet]" \
