@@ -43,21 +43,21 @@ def _split(name: str) -> tuple[str, int]:
 
 def engine_needs(rank: int, engine_tp_rank: int, engine_tp: int, hf_shapes: dict[str, tuple[int, ...]],
                  arch: Architecture, names: Collection[str] | None = None) -> list[Need]:
-    """What engine rank `rank` (at `engine_tp_rank` of its engine) needs of every HF tensor, or of `names`.
-    A rank plans what it sends to every engine rank of its replica (hundreds, each needing slices of up
-    to 70,000 tensors for a frontier MoE model), so the slices of each engine TP rank are computed once,
-    and only those of the tensors it holds become `Need`s."""
-    slices = _engine_slices(engine_tp_rank, engine_tp, tuple(sorted(hf_shapes.items())), arch.num_kv_heads,
-                            arch.head_dim)
-    return [Need(rank, name, dim, start, stop) for name, dim, start, stop in slices if names is None or name in names]
+    """What engine rank `rank` (at `engine_tp_rank` of its engine) needs of every HF tensor, or of `names`,
+    in name order. A rank plans what it sends to every engine rank of its replica (hundreds, each needing
+    slices of up to 70,000 tensors for a frontier MoE model), so the slices of each engine TP rank are
+    computed once, and only those of the tensors it holds become `Need`s."""
+    slices = _engine_slices(engine_tp_rank, engine_tp, tuple(hf_shapes.items()), arch.num_kv_heads, arch.head_dim)
+    wanted = slices if names is None else sorted(name for name in names if name in slices)
+    return [Need(rank, name, *slices[name]) for name in wanted]
 
 
 @functools.lru_cache(maxsize=64)
 def _engine_slices(engine_tp_rank: int, engine_tp: int, shapes: tuple[tuple[str, tuple[int, ...]], ...],
-                   num_kv_heads: int, head_dim: int) -> tuple[tuple[str, int, int, int], ...]:
-    """(name, dim, start, stop) of each tensor slice an engine TP rank holds, in name order."""
-    slices = []
-    for name, shape in shapes:
+                   num_kv_heads: int, head_dim: int) -> dict[str, tuple[int, int, int]]:
+    """name -> (dim, start, stop) of each tensor slice an engine TP rank holds, in name order (shared: read only)."""
+    slices = {}
+    for name, shape in sorted(shapes):
         kind, dim = _split(name)
         size = shape[dim]
         if engine_tp == 1 or kind == "whole":
@@ -77,5 +77,5 @@ def _engine_slices(engine_tp_rank: int, engine_tp: int, shapes: tuple[tuple[str,
             per_rank = padded // engine_tp
             start, stop = min(size, engine_tp_rank * per_rank), min(size, (engine_tp_rank + 1) * per_rank)
         if stop > start:
-            slices.append((name, dim, start, stop))
-    return tuple(slices)
+            slices[name] = (dim, start, stop)
+    return slices
