@@ -398,6 +398,7 @@ def plan_sync(arch: Architecture, layout: TrainingLayout, engine_tp: int) -> Syn
         shard_shapes |= shapes
     hf_shapes = hf_shapes_from([p for pieces in (*dense.values(), *experts.values()) for p in pieces], shard_shapes)
     traffic = SyncTraffic(0, [], [], [0] * layout.world, [0] * layout.world, 0)
+
     def needs_of(r, names):
         return engine_needs(r, r % engine_tp, engine_tp, hf_shapes, arch, names)
 

@@ -10,9 +10,9 @@
 # travel with the checkout (installed with --no-deps into a temporary target), rollouts use the `hf` engine,
 # and every job runs one rank (NCCL takes one rank per GPU). The steps run in three lanes at once (the user's
 # path: models, parity, SFT, GRPO; the gpu test files; the resume test, then mixture-of-experts models with
-# multi-latent attention), each lane's steps one after another; the GPU and the box's cores hold the tiny models of all three. They share a deadline of
-# DEADLINE_S seconds (default 470, under 8 minutes); a step's log is in the logs folder (default: a temporary
-# one). GRPO_STEPS (default 50) sets the length of the GRPO run.
+# multi-latent attention), each lane's steps one after another; the GPU and the box's cores hold the tiny
+# models of all three. They share a deadline of DEADLINE_S seconds (default 470, under 8 minutes); a step's
+# log is in the logs folder (default: a temporary one). GRPO_STEPS (default 50) sets the length of the GRPO run.
 #
 # The dry run proves the plumbing: each pytest step collects its tests, each program answers --help
 # (which imports all it needs). It runs no step's work and claims no GPU result.

@@ -127,7 +127,7 @@ def plan_for_rank(rank: int, replica: list[SourcePiece], needs_of: NeedsOf, hf_s
     several DP replicas). `receivers`: the engine ranks this rank may send to; by default the
     replica's own ranks (colocated engines), under split placement the rollout ranks."""
     experts = {piece.hf_name for piece in expert_replica}
-    dense = set(hf_shapes) - experts
+    dense = set(hf_shapes) - experts if experts else None  # None: every tensor
     plan = _plan_over(rank, replica, lambda r, names: needs_of(r, dense if names is None else names), hf_shapes,
                       itemsize, receivers)
     if not experts:

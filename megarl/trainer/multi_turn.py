@@ -28,9 +28,9 @@ from megarl.agent.trajectories import Trajectory, TurnLimits, run_turns
 from megarl.config.schema import RolloutConfig
 from megarl.data.dataset import Prompt
 from megarl.distributed import collectives
-from megarl.rewards.manager import RewardFunctionError, RewardManager, RewardResult, ScoringItem
+from megarl.rewards.manager import RewardFunctionError, RewardManager, RewardResult
 from megarl.rollout.base import RolloutEngine, RolloutOutput, Sampling
-from megarl.trainer.rollouts import Rollouts, share_scores, unfilled_rollouts
+from megarl.trainer.rollouts import Rollouts, score_responses, share_scores, unfilled_rollouts
 
 TRAJECTORY_STATS = ("turns", "tool_calls", "tool_errors")
 
@@ -143,5 +143,4 @@ def final_rewards(trajectories: list[Trajectory], prompts: list[Prompt], rewards
 
 
 def _function_scores(trajectories: list[Trajectory], prompts: list[Prompt], rewards: RewardManager) -> RewardResult:
-    return rewards.score([ScoringItem(prompt.data_source, t.final_text, prompt.ground_truth, prompt.extra_info,
-                                      prompt.origin) for t in trajectories for prompt in [prompts[t.index]]])
+    return score_responses(rewards, [prompts[t.index] for t in trajectories], [t.final_text for t in trajectories])

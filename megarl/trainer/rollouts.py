@@ -154,10 +154,15 @@ def collect_rollouts(prompts: list[Prompt], engine: RolloutEngine, sampling: Sam
             rollouts.routed_experts[start * n : stop * n] = output.routed_experts
         if rank % engine_tp == 0:  # the replica's other ranks hold the same responses
             texts = tokenizer.batch_decode(output.response_ids, skip_special_tokens=True)
-            result = rewards.score([ScoringItem(p.data_source, text, p.ground_truth, p.extra_info, p.origin)
-                                    for p, text in zip(rollouts.prompts[start * n : stop * n], texts)])
+            result = score_responses(rewards, rollouts.prompts[start * n : stop * n], texts)
     share_scores(rollouts, output, result, start * n)
     return rollouts
+
+
+def score_responses(rewards: RewardManager, prompts: list[Prompt], texts: list[str]) -> RewardResult:
+    """Each response text scored against its prompt's ground truth (a failure names the prompt's file and row)."""
+    return rewards.score([ScoringItem(prompt.data_source, text, prompt.ground_truth, prompt.extra_info, prompt.origin)
+                          for prompt, text in zip(prompts, texts)])
 
 
 def unfilled_rollouts(prompts: list[Prompt], n: int, engine_tp: int) -> tuple[Rollouts, tuple[int, int]]:
