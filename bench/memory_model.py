@@ -101,7 +101,8 @@ def table(model: Model, dp: int) -> list[str]:
         kv_gb = GPU_GB - resident - engine - RESERVED_GB
         tokens = kv_gb * GB / kv_bytes_per_token(model)
         verdict = f"KV cache {kv_gb:.1f} GB = {tokens / 1e3:,.0f}K tokens" if kv_gb > 0 else "does NOT fit"
-        lines.append(f"| rollout phase, offload {offload} | - | {resident + engine + RESERVED_GB:.2f} + KV: {verdict} |")
+        peak = resident + engine + RESERVED_GB
+        lines.append(f"| rollout phase, offload {offload} | - | {peak:.2f} + KV: {verdict} |")
     return lines
 
 

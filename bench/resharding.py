@@ -162,7 +162,8 @@ def main() -> None:
                                    "all_gather_seconds": gather, "seconds": seconds}, indent=1))
     ours, theirs = megarl["tokens"] / megarl["seconds"], standalone["tokens"] / standalone["seconds"]
     print(f"rollout tokens/s: megarl {ours:.0f} / standalone vLLM {theirs:.0f} = {ours / theirs:.2f} "
-          f"(target >= 0.95: {'met' if ours / theirs >= 0.95 else 'MISSED'}); {NUM_PROMPTS} prompts x {NEW_TOKENS} tokens")
+          f"(target >= 0.95: {'met' if ours / theirs >= 0.95 else 'MISSED'}); "
+          f"{NUM_PROMPTS} prompts x {NEW_TOKENS} tokens")
 
 
 if __name__ == "__main__":

@@ -75,7 +75,8 @@ class PlainMegatronLoop:
             for i, (prompt, response) in enumerate(zip(micro_batch.prompt_lengths_B.tolist(),
                                                        micro_batch.response_lengths_B.tolist())):
                 mask[i, prompt - 1: prompt - 1 + response] = 1.0
-                advantages[i, prompt - 1: prompt - 1 + response] = micro_batch.response_tensors["advantages"][i, :response]
+                advantages[i, prompt - 1: prompt - 1 + response] = (
+                    micro_batch.response_tensors["advantages"][i, :response])
 
             def loss_func(output):
                 logprobs = -tensor_parallel.vocab_parallel_cross_entropy(output.float(), labels)  # (b, s)
@@ -149,7 +150,8 @@ def main() -> None:
     for name in ("megarl", "plain"):
         print(f"{name:>7}: {median[name]:.3f} s/step, {rate[name]:,.0f} tokens/s "
               f"(steps: {', '.join(f'{s:.3f}' for s in result['seconds'][name])})")
-    print(f"megarl / plain megatron-core tokens/s: {ratio:.3f} (target >= 0.95: {'met' if ratio >= 0.95 else 'MISSED'})")
+    print(f"megarl / plain megatron-core tokens/s: {ratio:.3f} "
+          f"(target >= 0.95: {'met' if ratio >= 0.95 else 'MISSED'})")
 
 
 if __name__ == "__main__":

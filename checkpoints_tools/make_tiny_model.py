@@ -215,7 +215,8 @@ def main(argv=None) -> None:
     model.save_pretrained(args.out, max_shard_size=args.max_shard_size)
     tokenizer.save_pretrained(args.out)
     if not args.value_model:
-        GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(args.out)
+        generation = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        generation.save_pretrained(args.out)
     print(f"wrote {config.architectures[0]} ({sum(p.numel() for p in model.parameters()):,} params) to {args.out}")
 
 

@@ -19,9 +19,9 @@ Backward recomputes p chunk by chunk from the saved logits and the per-row lse a
 
 and divides by T. With `inplace_backward` the gradient is written into the logits' own storage
 (as megatron's vocab-parallel cross entropy does), so backward needs no second (N, V/TP) buffer;
-the caller promises not to read the logits afterwards. Columns past the real vocabulary (Megatron's padding) are excluded: they get
-probability zero and gradient zero. `reference_logprobs_and_entropy` is the plain full-vocabulary
-version the kernel is tested against.
+the caller promises not to read the logits afterwards. Columns past the real vocabulary (Megatron's
+padding) are excluded: they get probability zero and gradient zero. `reference_logprobs_and_entropy`
+is the plain full-vocabulary version the kernel is tested against.
 
 With `use_triton` (CUDA tensors; the caller decides, megarl asks `megarl.device.triton()`), the two
 per-row loops (local statistics, gradient) run as the Triton kernels of `triton_logprobs`; the
@@ -94,7 +94,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         valid = _valid_columns(vocab_start, local_vocab, vocab_size)
         local_targets_N = targets_N - vocab_start
         if use_triton:
-            from kernels.triton_logprobs import local_row_stats
+            from megarl.kernels.triton_logprobs import local_row_stats
 
             local_max, sum_exp, sum_pz, target_z = local_row_stats(logits_NV, local_targets_N, valid, temperature)
         else:
@@ -123,7 +123,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         gradient_args = (grad_logits_NV, logits_NV, targets_N - vocab_start, lse_N, mean_z_N,
                          grad_logprob_N, grad_entropy_N, valid, temperature)
         if use_triton:
-            from kernels.triton_logprobs import row_gradients_
+            from megarl.kernels.triton_logprobs import row_gradients_
 
             row_gradients_(*gradient_args)
         else:

@@ -72,7 +72,8 @@ def sdist_requirements(requirement: str, workdir: Path) -> list[str]:
     if metadata["Version"] != requirement.split("==")[1]:
         raise SystemExit(f"FAIL {requirement}: the sdist found is version {metadata['Version']}")
     # The core library it names (transformer_engine_cuXX) is chosen at build time by torch's CUDA.
-    return [r for r in metadata.get_all("Requires-Dist", []) if not _requirement_name(r).startswith("transformer-engine-cu")]
+    return [r for r in metadata.get_all("Requires-Dist", [])
+            if not _requirement_name(r).startswith("transformer-engine-cu")]
 
 
 def main(argv=None) -> int:
@@ -86,10 +87,11 @@ def main(argv=None) -> int:
     binary = [r for r in requirements if _requirement_name(r) not in SDIST_ONLY]
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        extra = [req for r in requirements if _requirement_name(r) in SDIST_ONLY for req in sdist_requirements(r, workdir)]
+        extra = [req for r in requirements if _requirement_name(r) in SDIST_ONLY
+                 for req in sdist_requirements(r, workdir)]
         source = workdir / "megarl-source"  # a copy: building in place would leave build/ in the repository
-        for package in ("megarl", "kernels"):
-            shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
+        # megarl/kernels, a link to the top-level kernels/ folder, is copied as a folder.
+        shutil.copytree(ROOT / "megarl", source / "megarl", ignore=shutil.ignore_patterns("__pycache__"))
         for file in ("setup.py", "requirements-gpu.txt"):
             shutil.copy(ROOT / file, source / file)
         _pip("wheel", "--no-deps", "--no-build-isolation", "--quiet", "-w", str(workdir / "wheel"), str(source))

@@ -1,10 +1,11 @@
-"""Import every module of megarl and kernels, and name each that fails with its error.
+"""Import every module of megarl (megarl.kernels included), and name each that fails with its error.
 
 The GPU smoke kit's first question on a new machine (another torch, no vLLM): does megarl import there?
 Modules import their optional packages (vLLM, mlflow, math-verify, Transformer Engine) only where they
 are used, so every module must import with megarl's core requirements alone; a module that exists for
 one optional package (the Triton kernel) is reported as skipped where that package is absent. Exits 1
-if any fails.
+if any fails. The modules walked are those of the megarl that imports (an install, a checkout on
+PYTHONPATH), else this checkout's; the summary names where it came from.
 
     python tools/import_every_module.py
 """
@@ -12,27 +13,26 @@ if any fails.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import pkgutil
 import sys
 import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("megarl", "kernels")
 OPTIONAL = ("triton", "transformer_engine", "apex", "vllm")
 
 
 def module_names() -> list[str]:
-    names = []
-    for package in PACKAGES:
-        names.append(package)
-        path = [str(ROOT / package)]
-        names += [info.name for info in pkgutil.walk_packages(path, prefix=f"{package}.")]
-    return names
+    """megarl and every module under the megarl that imports (walk_packages follows the megarl/kernels link)."""
+    import megarl
+
+    return ["megarl", *(info.name for info in pkgutil.walk_packages(megarl.__path__, prefix="megarl."))]
 
 
 def main() -> int:
-    sys.path.insert(0, str(ROOT))
+    if importlib.util.find_spec("megarl") is None:  # neither installed nor on PYTHONPATH: this checkout's
+        sys.path.insert(0, str(ROOT))
     names, failed, skipped = module_names(), [], []
     for name in names:
         try:
@@ -49,7 +49,9 @@ def main() -> int:
             print(f"FAIL {name}: {type(error).__name__}: {error} ({where.filename}:{where.lineno})")
     import torch
 
-    print(f"{len(names) - len(failed) - len(skipped)} of {len(names)} modules import (torch {torch.__version__})"
+    where = Path(sys.modules["megarl"].__file__).parent
+    print(f"{len(names) - len(failed) - len(skipped)} of {len(names)} modules of {where} import "
+          f"(torch {torch.__version__})"
           + (f"; skipped: {', '.join(skipped)}" if skipped else ""))
     return 1 if failed else 0
 

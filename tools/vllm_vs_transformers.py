@@ -33,7 +33,8 @@ def main() -> None:
     reference = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
     generator = torch.Generator().manual_seed(0)
     vocab = reference.config.vocab_size
-    prompts = [torch.randint(5, vocab, (args.prompt_length,), generator=generator).tolist() for _ in range(args.prompts)]
+    prompts = [torch.randint(5, vocab, (args.prompt_length,), generator=generator).tolist()
+               for _ in range(args.prompts)]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                            SamplingParams(temperature=1.0, max_tokens=args.max_tokens, logprobs=0, seed=0))
     worst = 0.0

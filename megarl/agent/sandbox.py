@@ -2,9 +2,9 @@
 
 Each call gets a fresh interpreter (`sandbox_child.py`, which confines itself before running the code)
 in a new scratch directory that is deleted afterwards, with a wall-clock timeout that kills its whole
-process group, and an empty environment. Output goes to files in the scratch directory, so the file-size limit bounds it and
-the parent reads only its head. What this does and does not protect against is
-in docs/running.md, "Sandbox".
+process group, and an empty environment. Output goes to files in the scratch directory, so the file-size
+limit bounds it and the parent reads only its head. What this does and does not protect against is in
+docs/running.md, "Sandbox".
 """
 
 from __future__ import annotations

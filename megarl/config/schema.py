@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
-from megarl.models.layer_specs import LAYER_SPECS  # the builder's choices, validated here
+# The builder's choices, validated here: the loader checks model.layer_spec against them and the reference
+# (megarl.config.reference) spells out the tuples a docstring names.
+from megarl.models.layer_specs import LAYER_SPECS  # noqa: F401
 
 DTYPES = ("float32", "bfloat16", "float16")
 OPTIMIZERS = ("adam", "sgd")

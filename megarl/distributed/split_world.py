@@ -78,8 +78,9 @@ def join_split_world(num_rollout_ranks: int) -> SplitWorld:
     is_trainer = rank < num_trainers
     side_rank, side_size = (rank, num_trainers) if is_trainer else (rank - num_trainers, num_rollout_ranks)
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(side_rank), str(side_size)
-    dist.init_process_group(backend=device.backend(), timeout=collective_timeout(), rank=side_rank, world_size=side_size,
-                            store=dist.PrefixStore("trainer/" if is_trainer else "rollout/", store))
+    side_store = dist.PrefixStore("trainer/" if is_trainer else "rollout/", store)
+    dist.init_process_group(backend=device.backend(), timeout=collective_timeout(), rank=side_rank,
+                            world_size=side_size, store=side_store)
     bridge = _backend(dist.PrefixStore("bridge/", store), rank, world_size)
     return SplitWorld(rank, num_trainers, num_rollout_ranks, store, bridge)
 

@@ -37,7 +37,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from kernels.vocab_parallel_logprobs import logprobs_and_entropy
+from megarl.kernels.vocab_parallel_logprobs import logprobs_and_entropy
 from megarl.config.schema import EngineConfig, ModelConfig
 from megarl import device
 from megarl.distributed import collectives

@@ -328,7 +328,8 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 def check_layout_fits(arch: Architecture, tp: int, pp: int, ep: int = 1) -> None:
     """Fail early, naming the layout key, when the model cannot be split this way."""
     if ep > 1 and not arch.is_moe:
-        raise ValueError(f"actor.ep={ep} needs a mixture-of-experts model; this {arch.family} model is dense: use actor.ep=1")
+        raise ValueError(f"actor.ep={ep} needs a mixture-of-experts model; this {arch.family} model is dense: "
+                         "use actor.ep=1")
     if arch.is_moe and arch.num_experts % ep:
         raise ValueError(f"actor.ep={ep} must divide the number of experts {arch.num_experts}")
     if arch.num_layers % pp:

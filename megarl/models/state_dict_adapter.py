@@ -5,7 +5,8 @@ HF tensors (or zero rows of vocabulary padding). The whole mapping is this one i
 
     kind        megatron tensor on TP rank r                        pieces (all along `dim`)
     replicated  norms, value head                                   the whole HF tensor
-    vocab       word embeddings, untied output layer, padded        rows [r*n/tp, (r+1)*n/tp), zero rows past the vocabulary
+    vocab       word embeddings, untied output layer, padded        rows [r*n/tp, (r+1)*n/tp), zero rows past
+                                                                    the vocabulary
     row         linear_proj (o_proj), linear_fc2 (down_proj)         columns [r*n/tp, (r+1)*n/tp)
     gate_up     linear_fc1 = [gate_r; up_r]                         gate rows, up rows
     qkv         linear_qkv = per local query group g: [q_g; k_g; v_g] q/k/v rows of each group
@@ -80,7 +81,8 @@ _MLA_LAYER_RULES = {**_LAYER_RULES, **_MLA_RULES}
 _LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 # A routed expert's linear layers: one module per local expert (local spec), or one grouped
 # module holding weight<i> per local expert (Transformer Engine's grouped GEMM).
-_EXPERT_NAME = re.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))")
+_EXPERT_NAME = re.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight"
+                          r"|(linear_fc[12])\.weight(\d+))")
 # family -> (HF MoE block, HF names of an expert's gate, up and down projections)
 _HF_EXPERTS = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
 _HF_EXPERTS_DEFAULT = ("mlp", "gate_proj", "up_proj", "down_proj")

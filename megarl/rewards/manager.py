@@ -158,7 +158,8 @@ class RewardManager:
         return result
 
 
-def token_level_scores(scores: list[float], response_lengths: list[int], max_response_length: int | None = None) -> torch.Tensor:
+def token_level_scores(scores: list[float], response_lengths: list[int],
+                       max_response_length: int | None = None) -> torch.Tensor:
     """(B, R) float32 rewards, zero except each score on its response's last token.
 
     Responses are right-padded: response b occupies positions [0, response_lengths[b]). R is

@@ -31,7 +31,8 @@ RULE_SCORERS = Registry("rule scorer (data_source)")
 _GSM8K_CLIP_CHARS = 300
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float | dict:
+def compute_score(data_source: str, solution_str: str, ground_truth: str,
+                  extra_info: dict | None = None) -> float | dict:
     """The common scoring signature: the rule scorer registered for `data_source`."""
     return RULE_SCORERS.get(data_source)(solution_str, ground_truth, extra_info)
 

@@ -26,7 +26,8 @@ from tests.conftest import ROOT, assert_succeeded, torchrun
 
 SCRIPT = ROOT / "tests/distributed/scripts/engine_checks.py"
 LAYOUTS = {"tp2": (2, ["--tp", 2, "--recompute"]), "pp2": (2, ["--pp", 2, "--dynamic"]),
-           "tp2pp2": (4, ["--tp", 2, "--pp", 2, "--share-prompts"]), "dp2": (2, ["--dynamic", "--bf16-steps", 3, "--grad-bucket-size", 20000])}
+           "tp2pp2": (4, ["--tp", 2, "--pp", 2, "--share-prompts"]),
+           "dp2": (2, ["--dynamic", "--bf16-steps", 3, "--grad-bucket-size", 20000])}
 
 
 def _run(tiny_models, out, nproc, extra):

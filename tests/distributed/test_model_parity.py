@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT, TINY_MODELS, TINY_MOE_MODELS, assert_succeeded, torchrun
+from tests.conftest import ROOT, assert_succeeded, torchrun
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 MOE_LAYOUTS = [(1, 1, 2), (2, 1, 2), (1, 2, 2)]

@@ -58,7 +58,8 @@ def offload_args(models: dict, tmp_path) -> list[str]:
 def assert_offload_report(result) -> None:
     """offload_checks' REPORT: bitwise the same training, nothing held while the engine works, phases in order."""
     assert_succeeded(result)
-    report = json.loads(next(l for l in result.stdout.splitlines() if l.startswith("REPORT ")).removeprefix("REPORT "))
+    report = json.loads(next(line for line in result.stdout.splitlines()
+                             if line.startswith("REPORT ")).removeprefix("REPORT "))
     assert report["compared"] > 100 and report["differing"] == []
     assert all(pg_loss != 0 and vf_loss != 0 for pg_loss, vf_loss in report["losses"])  # training moves
     for rank in report["ranks"]:

@@ -65,7 +65,8 @@ def rank0_lower_bound(model_dir, tp, pp, ep, etp, engine_tp, itemsize=4) -> int:
     for name, tensor in tensors.items():
         layer = re.match(r"model\.layers\.(\d+)\.", name)
         expert = EXPERT.match(name)
-        on_rank0 = ((int(layer.group(1)) < num_layers // pp) if layer else name == "model.embed_tokens.weight" or pp == 1)
+        on_rank0 = ((int(layer.group(1)) < num_layers // pp) if layer
+                    else name == "model.embed_tokens.weight" or pp == 1)
         on_rank0 = on_rank0 and (not expert or int(expert.group(1)) < num_experts // ep)
         dim = 1 if name.endswith(("o_proj.weight", "down_proj.weight", ".w2.weight")) else 0
         size = tensor.shape[dim]
@@ -90,7 +91,8 @@ def test_rollout_after_resharding(tiny_models, tiny_moe_models, tmp_path, case):
     result = torchrun(nproc, SCRIPT, "--hf", model_dir, "--out", tmp_path, "--tp", tp, "--pp", pp, "--ep", ep,
                       "--etp", etp, "--engine-tp", engine_tp, "--dtype", dtype)
     assert_succeeded(result)
-    report = json.loads(next(l for l in result.stdout.splitlines() if l.startswith("REPORT ")).removeprefix("REPORT "))
+    report = json.loads(next(line for line in result.stdout.splitlines()
+                             if line.startswith("REPORT ")).removeprefix("REPORT "))
     assert report["hf_engine_bit_identical"] and report["vllm_plain_bit_identical"], report
     assert report["vllm_plain_tensors_checked"] >= 9
     hf_names = [n for file in model_dir.glob("*.safetensors") for n in load_file(file)]

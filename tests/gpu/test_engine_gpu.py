@@ -25,9 +25,11 @@ def test_packed_transformer_engine_scores_match_transformers(tiny_models, tmp_pa
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} GPUs")
     result = torchrun(tp, ROOT / "tests/distributed/scripts/engine_checks.py", "--policy", tiny_models["qwen3-untied"],
-                      "--value", tiny_models["qwen2-value"], "--out", tmp_path, "--tp", tp, "--dynamic", "--dtype", "bfloat16")
+                      "--value", tiny_models["qwen2-value"], "--out", tmp_path, "--tp", tp, "--dynamic",
+                      "--dtype", "bfloat16")
     assert_succeeded(result)
-    report = json.loads(next(l for l in result.stdout.splitlines() if l.startswith("REPORT ")).removeprefix("REPORT "))
+    report = json.loads(next(line for line in result.stdout.splitlines()
+                             if line.startswith("REPORT ")).removeprefix("REPORT "))
     assert report["logprob_entropy_diff"] <= 1e-1 and report["value_diff"] <= 1e-1
     assert report["kept_outputs_vs_score"] <= 1e-5
     # Parameters are bf16 apart from a few kept in fp32 (as on CPU): between 2 and 4 bytes each.

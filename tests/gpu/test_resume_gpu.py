@@ -64,7 +64,8 @@ def test_a_crashed_job_resumes_exactly(tiny_models, tmp_path):
     assert sorted(_logged(resumed)) == [3, 4]  # the steps after the checkpoint, and only those
     expected = _logged(reference)
     assert {step: expected[step] for step in (3, 4)} == _logged(resumed)
-    final, resumed_final = (_final_checkpoint(run, tmp_path / f"{run.name}.pt") for run in (tmp_path / "uninterrupted", out))
+    final, resumed_final = (_final_checkpoint(run, tmp_path / f"{run.name}.pt")
+                            for run in (tmp_path / "uninterrupted", out))
     assert final.keys() == resumed_final.keys() and len(final) > 10
     differing = [name for name in final if not torch.equal(final[name], resumed_final[name])]
     assert not differing, differing

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.vocab_parallel_logprobs import logprobs_and_entropy, reference_logprobs_and_entropy
+from megarl.kernels.vocab_parallel_logprobs import logprobs_and_entropy, reference_logprobs_and_entropy
 
 pytestmark = pytest.mark.gpu
 
@@ -45,7 +45,7 @@ def test_triton_path_matches_reference(dtype, temperature, inplace):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_local_row_stats_matches_torch(dtype):
-    triton_logprobs = pytest.importorskip("kernels.triton_logprobs")
+    triton_logprobs = pytest.importorskip("megarl.kernels.triton_logprobs")
     temperature, valid = 0.7, VOCAB_SIZE
     generator = torch.Generator().manual_seed(1)
     # A column slice of a wider tensor: rows are strided, as for a rank's slice of gathered logits.

@@ -34,7 +34,8 @@ class Launch:
 
     def trained_batches(self) -> dict[int, tuple[list[int], int]]:
         """Split placement: the prompts and policy version of each step trained (debug log)."""
-        return {int(step): (json.loads(prompts), int(version)) for step, prompts, version in TRAINED.findall(self.log())}
+        return {int(step): (json.loads(prompts), int(version))
+                for step, prompts, version in TRAINED.findall(self.log())}
 
     def console(self) -> str:
         return self.console_path.read_text()
@@ -47,7 +48,8 @@ class Launch:
 
     def finish(self, timeout: float = 400) -> None:
         self.agent.wait(timeout=timeout)
-        assert self.agent.returncode == 0, f"exit {self.agent.returncode}\n{self.console()[-3000:]}\n{self.log()[-8000:]}"
+        assert self.agent.returncode == 0, (f"exit {self.agent.returncode}\n{self.console()[-3000:]}\n"
+                                            f"{self.log()[-8000:]}")
 
     def wait_for(self, moment, timeout: float = 300) -> None:
         deadline = time.time() + timeout

@@ -68,5 +68,6 @@ def test_trained_checkpoint_converts_for_transformers_and_vllm(tiny_models, tmp_
     assert json.loads((tmp_path / "critic/config.json").read_text())["architectures"] == ["Qwen2ForTokenClassification"]
     result = torchrun(1, ROOT / "tests/distributed/scripts/vllm_loads.py", tmp_path / "actor")
     assert_succeeded(result)
-    report = json.loads(next(l for l in result.stdout.splitlines() if l.startswith("REPORT ")).removeprefix("REPORT "))
+    report = json.loads(next(line for line in result.stdout.splitlines()
+                             if line.startswith("REPORT ")).removeprefix("REPORT "))
     assert report["tokens_equal"] and report["logprob_diff"] <= 1e-4, report

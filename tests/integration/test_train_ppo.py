@@ -1,6 +1,7 @@
 """The real launchers for a few steps: PPO with a critic at TP2xPP2xDP2 against TP1, multi-turn GRPO with a
-KL loss at DP2 and at PP2 (actor.pp=2) against DP1, on-policy distillation at PP2, multi-turn PRIME at TP2 (actor and rollout engine). (PPO with a critic at TP2 and its
-validation, curves and config in mlflow: test_checkpoint_resume.py's uninterrupted runs.)
+KL loss at DP2 and at PP2 (actor.pp=2) against DP1, on-policy distillation at PP2, multi-turn PRIME at TP2
+(actor and rollout engine). (PPO with a critic at TP2 and its validation, curves and config in mlflow:
+test_checkpoint_resume.py's uninterrupted runs.)
 
 Each run logs to a local mlflow store, which the test reads back with mlflow's own client.
 """
@@ -177,8 +178,9 @@ def test_remax_baseline_is_the_greedy_reward(tiny_models, tmp_path):
     # engine: the greedy pass is the trainer's request (vLLM's greedy: every run's validation).
     train, _ = make_arithmetic(4, 4, seed=0, out_dir=tmp_path / "data")
     result = torchrun(1, ROOT / "launchers/train_ppo.py", "--config", "configs/quickstart.yaml",
-                      *_overrides(tiny_models["llama-untied"], (train, train), tmp_path, "algorithm.adv_estimator=remax",
-                                  "rollout.backend=hf", "trainer.total_steps=1", "data.max_val_samples=4",
+                      *_overrides(tiny_models["llama-untied"], (train, train), tmp_path,
+                                  "algorithm.adv_estimator=remax", "rollout.backend=hf", "trainer.total_steps=1",
+                                  "data.max_val_samples=4",
                                   f"reward.function={ROOT / 'tests/integration/user_reward.py'}:compute_score"),
                       timeout=600)
     assert_succeeded(result)

@@ -1,4 +1,5 @@
-"""A user reward function with the common signature, loaded by path through `reward.function=.../user_reward.py:compute_score`.
+"""A user reward function with the common signature, loaded by path through
+`reward.function=.../user_reward.py:compute_score`.
 
 Random tiny models never solve arithmetic, so rule rewards would all be 0; this one depends on the
 response text and varies within groups, which DAPO's group filtering needs to keep anything.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import graphlib
+import os
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -47,6 +48,12 @@ def _imports(source: str, package: str) -> list[tuple[int, str]]:
     return found
 
 
+def _sources() -> list[Path]:
+    """megarl's source files, those of megarl/kernels (a link to the top-level kernels/ folder) included."""
+    return sorted(Path(folder, name) for folder, _, names in os.walk(PACKAGE, followlinks=True)
+                  for name in names if name.endswith(".py"))
+
+
 def _imported_modules(path: Path) -> list[tuple[int, str]]:
     package = ".".join(path.relative_to(ROOT).parts[:-1])
     return _imports(path.read_text(), package)
@@ -55,7 +62,7 @@ def _imported_modules(path: Path) -> list[tuple[int, str]]:
 def import_graph() -> dict[str, dict[str, list[str]]]:
     """{importing unit: {imported unit: ["file:line", ...]}} over megarl/, self-imports left out."""
     graph: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in _sources():
         if path == PACKAGE / "__init__.py":
             continue
         source = _unit(path)
@@ -68,7 +75,7 @@ def import_graph() -> dict[str, dict[str, list[str]]]:
 
 
 def units() -> set[str]:
-    return {_unit(path) for path in PACKAGE.rglob("*.py") if path != PACKAGE / "__init__.py"}
+    return {_unit(path) for path in _sources() if path != PACKAGE / "__init__.py"}
 
 
 def stated_layers(text: str) -> dict[str, int]:
@@ -120,8 +127,8 @@ def test_layer_rule_catches_an_upward_import():
 
 
 def test_imports_are_read_as_modules():
-    source = "\n".join([
-        "import megarl.data.sampler", "from megarl import device", "from ..models import builder", "from . import batch"])
+    source = "\n".join(["import megarl.data.sampler", "from megarl import device", "from ..models import builder",
+                         "from . import batch"])
     assert [name for _, name in _imports(source, "megarl.engine")] == [
         "megarl.data.sampler", "megarl.device", "megarl.models", "megarl.engine"]
 

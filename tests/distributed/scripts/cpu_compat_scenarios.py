@@ -129,7 +129,8 @@ def alltoall_split_sizes():
     alltoall = build_model(moe_arch, layout, moe=MoESettings(token_dispatcher="alltoall"))
     alltoall.load_state_dict(allgather.state_dict())
     # Both dispatchers compute the same function: the same tokens meet the same experts.
-    (logits, grads), (expected_logits, expected_grads) = (moe_forward_backward(m, layout) for m in (alltoall, allgather))
+    (logits, grads), (expected_logits, expected_grads) = (moe_forward_backward(module, layout)
+                                                          for module in (alltoall, allgather))
     torch.testing.assert_close(logits, expected_logits)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[name], msg=name)

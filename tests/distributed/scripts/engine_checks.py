@@ -83,7 +83,8 @@ def max_diff(scores, reference):
 
 
 report = {}
-policy = MegatronEngine(layout, ModelConfig(path=args.policy, dtype=args.dtype), engine_config, total_optimizer_steps=10)
+policy = MegatronEngine(layout, ModelConfig(path=args.policy, dtype=args.dtype), engine_config,
+                        total_optimizer_steps=10)
 scores = policy.score(batch, temperature=TEMPERATURE)
 critic = MegatronEngine(layout, ModelConfig(path=args.value, dtype=args.dtype), engine_config)
 values = critic.score(batch)

@@ -308,7 +308,8 @@ report["rolled_back_tokens_equal"] = after.response_ids == before.response_ids
 report["rolled_back_logprob_diff"] = max(abs(a - b) for x, y in zip(after.logprobs, before.logprobs)
                                          for a, b in zip(x, y))
 vllm_sync.sync(step=8)
-report["recovered_tokens_equal"] = vllm.generate(PROMPTS, greedy).response_ids == reference.generate(PROMPTS, greedy).response_ids
+report["recovered_tokens_equal"] = (vllm.generate(PROMPTS, greedy).response_ids
+                                    == reference.generate(PROMPTS, greedy).response_ids)
 
 if rank == 0:
     print("REPORT " + json.dumps(report), flush=True)

@@ -98,7 +98,8 @@ def test_guess_the_number_asks_for_the_format_and_ends_with_zero_when_guesses_ru
     environment = environments(environment=f"{GUESS_NUMBER}:GuessNumberEnvironment")(sample())
     environment.reset(sample(ground_truth="50"))
     first = environment.step("I think it is 50.")
-    assert first.messages == [{"role": "user", "content": "Answer with your guess as <guess>N</guess>. 6 guesses left."}]
+    assert first.messages == [{"role": "user",
+                               "content": "Answer with your guess as <guess>N</guess>. 6 guesses left."}]
     assert first.info == {"guesses": 1, "invalid_guesses": 1} and not first.done
     observations = [environment.step("<guess>10</guess>") for _ in range(6)]
     assert [o.done for o in observations] == [False] * 5 + [True]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 
 from megarl.algorithms.importance import rollout_mismatch_tokens, truncated_importance_weights

@@ -161,7 +161,8 @@ def test_layout_accepts_fitting_sizes():
 
 def test_layout_rejects_an_expert_grid_that_does_not_fit():
     # TP2 fits 4 ranks, but each expert split over ETP2 on EP4 ranks needs 8.
-    with pytest.raises(ConfigError, match=r"world size 4 .*actor\.etp \* actor\.ep \* actor\.pp = 8; allowed: .*multiples of 8"):
+    with pytest.raises(ConfigError,
+                       match=r"world size 4 .*actor\.etp \* actor\.ep \* actor\.pp = 8; allowed: .*multiples of 8"):
         validate_layout(_layout("actor.tp=2", "actor.ep=4"), world_size=4)
 
 

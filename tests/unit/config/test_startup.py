@@ -11,7 +11,8 @@ from megarl.trainer.startup import parse_config
 def test_layout_that_does_not_fit_the_world_fails_naming_actor_tp(monkeypatch, tiny_models):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match=r"actor\.tp \* actor\.pp \* actor\.cp = 2"):
-        parse_config(["--config", "configs/tiny_cpu.yaml", f"model.path={tiny_models['qwen2-tied']}", "actor.tp=2"], rl=True)
+        parse_config(["--config", "configs/tiny_cpu.yaml", f"model.path={tiny_models['qwen2-tied']}", "actor.tp=2"],
+                     rl=True)
 
 
 def test_model_path_without_config_json_fails_naming_model_path(monkeypatch, tmp_path):

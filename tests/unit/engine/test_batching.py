@@ -107,8 +107,8 @@ def test_response_alignment_by_hand():
 
 
 def test_from_sequences_right_pads_prompt_plus_response():
-    batch = SequenceBatch.from_sequences([[5, 6], [7]], [[1], [2, 3, 4]], pad_token_id=0,
-                                         response_tensors={"x": right_pad([[0.5], [1.0, 2.0, 3.0]], 0.0, torch.float32)})
+    x = right_pad([[0.5], [1.0, 2.0, 3.0]], 0.0, torch.float32)
+    batch = SequenceBatch.from_sequences([[5, 6], [7]], [[1], [2, 3, 4]], pad_token_id=0, response_tensors={"x": x})
     assert batch.tokens_BT.tolist() == [[5, 6, 1, 0], [7, 2, 3, 4]]
     assert batch.prompt_lengths_B.tolist() == [2, 1] and batch.response_lengths_B.tolist() == [1, 3]
     assert batch.response_tokens_BR().tolist()[1] == [2, 3, 4]

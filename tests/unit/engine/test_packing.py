@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.vocab_parallel_logprobs import logprobs_and_entropy
+from megarl.kernels.vocab_parallel_logprobs import logprobs_and_entropy
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.packing import pack, response_output_rows
 
@@ -46,7 +46,8 @@ def test_packed_and_padded_layouts_give_each_sequence_its_own_logprobs():
     for prompt_lengths, response_lengths in [([5, 3], [14, 4]), ([2, 6, 1, 4], [9, 1, 12, 3])]:
         prompts, responses = torch.tensor(prompt_lengths), torch.tensor(response_lengths)
         lengths = prompts + responses
-        tokens_BT = torch.randint(0, VOCAB, (len(lengths), int(lengths.max())), generator=torch.Generator().manual_seed(1))
+        tokens_BT = torch.randint(0, VOCAB, (len(lengths), int(lengths.max())),
+                                  generator=torch.Generator().manual_seed(1))
         batch = SequenceBatch(tokens_BT, prompts, responses)
         model = BoundaryAwareCausalModel()
 
@@ -61,7 +62,8 @@ def test_packed_and_padded_layouts_give_each_sequence_its_own_logprobs():
             wide = batch.widened_to_multiple(multiple)
             width = wide.tokens_BT.shape[1]
             assert width % multiple == 0 and torch.equal(wide.tokens_BT[:, : tokens_BT.shape[1]], tokens_BT)
-            padded_logits = torch.cat([model(row, torch.arange(width), torch.tensor([0, width])) for row in wide.tokens_BT])
+            padded_logits = torch.cat([model(row, torch.arange(width), torch.tensor([0, width]))
+                                       for row in wide.tokens_BT])
             padded = _logprobs(padded_logits, response_output_rows(wide, packed=False), wide)
 
             tokens_1N, positions_1N, cu_seqlens = pack(batch, multiple)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.vocab_parallel_logprobs import logprobs_and_entropy, reference_logprobs_and_entropy
+from megarl.kernels.vocab_parallel_logprobs import logprobs_and_entropy, reference_logprobs_and_entropy
 
 
 def _inputs(num_rows=37, padded_vocab=64, vocab_size=50, seed=0):

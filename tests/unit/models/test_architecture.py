@@ -47,7 +47,8 @@ def test_moe_families():
     qwen2 = architecture_from_hf(dict(QWEN3_MOE, architectures=["Qwen2MoeForTokenClassification"], num_labels=1,
                                       norm_topk_prob=False, shared_expert_intermediate_size=96))
     assert (qwen2.family, qwen2.value_model, qwen2.qkv_bias, qwen2.qk_norm) == ("qwen2_moe", True, True, False)
-    assert (qwen2.shared_expert_ffn_hidden_size, qwen2.shared_expert_gate, qwen2.moe_norm_topk_prob) == (96, True, False)
+    assert (qwen2.shared_expert_ffn_hidden_size, qwen2.shared_expert_gate,
+            qwen2.moe_norm_topk_prob) == (96, True, False)
     assert qwen2.hf_architecture() == "Qwen2MoeForTokenClassification"
     # Mixtral: the expert count under its other name, experts of the model's intermediate size, always renormalised.
     mixtral = architecture_from_hf(dict(BASE, architectures=["MixtralForCausalLM"], num_local_experts=4,
@@ -131,7 +132,8 @@ def test_deepseek_v3_latent_attention_routing_and_dense_first_layers():
 
 def test_glm4_moe_partial_rope_biases_and_qk_norm():
     arch = architecture_from_hf(GLM4_MOE)
-    assert (arch.family, arch.rotary_percent, arch.qkv_bias, arch.qk_norm, arch.mla) == ("glm4_moe", 0.5, True, True, None)
+    assert (arch.family, arch.rotary_percent, arch.qkv_bias, arch.qk_norm, arch.mla) == (
+        "glm4_moe", 0.5, True, True, None)
     assert arch.dense_layers == 3 and arch.router_bias and arch.shared_expert_ffn_hidden_size == 24
 
 
@@ -145,7 +147,8 @@ DEEPSEEK_V3_CHANGES = [  # what megatron-core cannot compute as transformers doe
     ({"attention_bias": True}, "attention_bias"),
     ({"rope_scaling": {"type": "llama3", "factor": 8.0}}, "rope_parameters"),
 ]
-DEEPSEEK_V2_CHANGES = [({"topk_method": "group_limited_greedy"}, "topk_method"), ({"norm_topk_prob": True}, "norm_topk_prob")]
+DEEPSEEK_V2_CHANGES = [({"topk_method": "group_limited_greedy"}, "topk_method"),
+                       ({"norm_topk_prob": True}, "norm_topk_prob")]
 
 
 @pytest.mark.parametrize("base,change,needle", [(BASE, *case) for case in UNSUPPORTED_CHANGES]

@@ -151,7 +151,8 @@ def test_latent_attention_names_and_splits():
     q_down = param_mapping("decoder.layers.0.self_attention.linear_q_down_proj.weight", mla, layers)
     assert shard_pieces(q_down, mla, (6, 8), tp_rank=1, tp=2) == [Piece(q_down.hf_names[0], 0, 0, 6)]
     up = param_mapping("decoder.layers.0.self_attention.linear_kv_up_proj.weight", mla, layers)
-    assert shard_pieces(up, mla, (8, 4), tp_rank=1, tp=2) == [Piece("model.layers.0.self_attn.kv_b_proj.weight", 0, 8, 16)]
+    assert shard_pieces(up, mla, (8, 4), tp_rank=1, tp=2) == [
+        Piece("model.layers.0.self_attn.kv_b_proj.weight", 0, 8, 16)]
     norms = {n: param_mapping(f"decoder.layers.0.self_attention.{n}", mla, layers).hf_names[0]
              for n in ("q_layernorm.weight", "kv_layernorm.weight", "linear_q_up_proj.layer_norm_weight")}
     assert norms == {"q_layernorm.weight": "model.layers.0.self_attn.q_a_layernorm.weight",

@@ -37,14 +37,17 @@ def _stage_mappings(stage: int) -> list[tuple[ParamMapping, tuple[int, ...]]]:
         (ParamMapping(local + "input_layernorm.weight", "replicated", (layer + "input_layernorm.weight",)), (16,)),
         (ParamMapping(local + "self_attention.linear_qkv.weight", "qkv",
                       tuple(layer + f"self_attn.{p}_proj.weight" for p in "qkv")), (8, 16)),
-        (ParamMapping(local + "self_attention.linear_proj.weight", "row", (layer + "self_attn.o_proj.weight",)), (16, 4)),
-        (ParamMapping(local + "pre_mlp_layernorm.weight", "replicated", (layer + "post_attention_layernorm.weight",)), (16,)),
+        (ParamMapping(local + "self_attention.linear_proj.weight", "row", (layer + "self_attn.o_proj.weight",)),
+         (16, 4)),
+        (ParamMapping(local + "pre_mlp_layernorm.weight", "replicated", (layer + "post_attention_layernorm.weight",)),
+         (16,)),
         (ParamMapping(local + "mlp.linear_fc1.weight", "gate_up",
                       (layer + "mlp.gate_proj.weight", layer + "mlp.up_proj.weight")), (4, 16)),
         (ParamMapping(local + "mlp.linear_fc2.weight", "row", (layer + "mlp.down_proj.weight",)), (16, 2)),
     ]
     if stage == 0:
-        mappings.append((ParamMapping("embedding.word_embeddings.weight", "vocab", ("model.embed_tokens.weight",)), (3, 16)))
+        mappings.append((ParamMapping("embedding.word_embeddings.weight", "vocab", ("model.embed_tokens.weight",)),
+                         (3, 16)))
     else:
         mappings.append((ParamMapping("decoder.final_layernorm.weight", "replicated", ("model.norm.weight",)), (16,)))
         mappings.append((ParamMapping("output_layer.weight", "vocab", ("lm_head.weight",)), (3, 16)))
@@ -98,7 +101,8 @@ def test_engine_rank0_q_proj_transfers_by_hand(plan):
     # Engine rank 0 (vLLM TP rank 0 of 2) needs q heads 0-3 = rows [0, 8). Training TP rank r holds the
     # rows of query group r: [4r, 4r + 4). Layer 0 lives on ranks 0-3, layer 1 on ranks 4-7.
     def q_transfers(layer):
-        return [t for t in plan.transfers if t.dst == 0 and t.hf_name == f"model.layers.{layer}.self_attn.q_proj.weight"]
+        name = f"model.layers.{layer}.self_attn.q_proj.weight"
+        return [t for t in plan.transfers if t.dst == 0 and t.hf_name == name]
 
     qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
     assert q_transfers(0) == [Transfer(0, 0, "model.layers.0.self_attn.q_proj.weight", 0, 0, 4, qkv, 0),

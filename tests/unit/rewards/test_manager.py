@@ -36,7 +36,8 @@ def test_raising_scorer_scores_zero_is_counted_and_logged_once_with_its_row(capl
         return 1.0
 
     manager = RewardManager(scorer)
-    batch = [replace(item, origin=f"train.parquet: row {row}") for row, item in enumerate(items("a", "boom", "b", "boom"))]
+    batch = [replace(item, origin=f"train.parquet: row {row}")
+             for row, item in enumerate(items("a", "boom", "b", "boom"))]
     result = manager.score(batch)
     assert result.scores == [1.0, 0.0, 1.0, 0.0]
     assert (result.num_errors, result.num_timeouts) == (2, 0)

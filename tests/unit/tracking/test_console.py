@@ -76,7 +76,8 @@ def test_known_library_warnings_are_filtered_and_others_kept():
         "variables = logging.getLogger('vllm.platforms.interface')\n"
         "for name in ('VLLM_DIST_IDENT', 'VLLM_TYPO'):\n"
         "    variables.warning('Unknown vLLM environment variable detected: %s', name)\n"
-        "print(os.environ['VLLM_LOGGING_LEVEL'], logging.getLogger('mlflow').getEffectiveLevel(), len(worker.filters))\n"
+        "print(os.environ['VLLM_LOGGING_LEVEL'], logging.getLogger('mlflow').getEffectiveLevel(),\n"
+        "      len(worker.filters))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

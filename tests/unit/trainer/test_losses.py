@@ -108,7 +108,8 @@ def test_environment_tokens_of_multi_turn_responses_get_exactly_zero_gradient():
     mask = right_pad(loss_masks, 0, torch.float32)
     rewards = token_level_scores([1.0, 0.0, 0.5], batch.response_lengths_B.tolist())
     advantages, _ = ADVANTAGE_ESTIMATORS.get("grpo")(AdvantageInputs(rewards * mask, mask, torch.tensor([0, 0, 1])))
-    batch.response_tensors.update(advantages=advantages * mask, ref_logprobs=-torch.rand(3, 8, generator=generator) * mask)
+    batch.response_tensors.update(advantages=advantages * mask,
+                                  ref_logprobs=-torch.rand(3, 8, generator=generator) * mask)
     logprobs = (-torch.rand(3, 8, generator=generator)).requires_grad_()
     entropy = torch.rand(3, 8, generator=generator).requires_grad_()
     config = ActorConfig(use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01)
