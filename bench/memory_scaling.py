@@ -122,11 +122,11 @@ def worker(steps: int, overrides: list[str]) -> None:
 
     torch.set_num_threads(1)
     trainer = RLTrainer(start_run(overrides, rl=True))
-    probe = Probe(trainer.actor, trainer.policy.engine)
+    probe = Probe(trainer.actor, trainer.placement.policy.engine)
     for step in range(1, steps + 1):
         trainer.step(step)
     report = {**trainer.actor.memory.resident_bytes(), **probe.measured,
-              "engine_kv_cache": trainer.policy.engine.llm.collective_rpc(_kv_cache_bytes)[0],
+              "engine_kv_cache": trainer.placement.policy.engine.llm.collective_rpc(_kv_cache_bytes)[0],
               "process_peak_rss": max(probe.measured["process_peak_rss"], peak_rss_bytes()),
               "num_params": sum(p.numel() for p in trainer.actor.module.parameters()),
               "rank": dist.get_rank(), "layout": str(trainer.layout)}
@@ -134,7 +134,7 @@ def worker(steps: int, overrides: list[str]) -> None:
     dist.all_gather_object(reports, report)
     if dist.get_rank() == 0:
         print("MEMORY " + json.dumps(reports), flush=True)
-    trainer.policy.engine.shutdown()
+    trainer.placement.shutdown()
 
 
 # ---- driver -----------------------------------------------------------------------------------------

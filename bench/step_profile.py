@@ -7,7 +7,8 @@ Each run is a torchrun launch of this file that builds the quick start's `RLTrai
 first as `make quickstart` makes it when missing; a shape PxS overrides the prompts per step and the
 samples per prompt; `--model 30m` swaps in the benchmarks' ~30M Qwen2 of bench/common.py, random
 weights, with bench/trl_vs_megarl.py's lengths: prompts <= 16, responses <= 8 tokens) and calls its
-`step` directly, with one substitution: the trainer's `PhaseTimer` also opens a `torch.profiler` range and, when asked, a cProfile of its own for each phase. Steps:
+`step` directly, with one substitution: the trainer's `PhaseTimer` also opens a `torch.profiler` range
+and, when asked, a cProfile of its own for each phase. Steps:
 
 1. `--warmup` steps, not counted;
 2. `--steps` steps timed by the trainer's own phase timer, nothing else on: each phase's median and
@@ -53,7 +54,7 @@ def bench_phase_timer(python_profiles: dict[str, cProfile.Profile]):
     switched on, a cProfile of its own (phases never nest, so one is active at a time)."""
     import torch
 
-    from megarl.trainer.timing import PhaseTimer
+    from megarl.tracking.timing import PhaseTimer
 
     class ProfiledPhaseTimer(PhaseTimer):
         python_on = False
@@ -127,7 +128,7 @@ def sync_costs(trainer, syncs: int) -> dict[str, float]:
     processing inside the sync (timed by wrapping each processing method the engine's layers use)."""
     import torch
 
-    model = trainer.policy.engine.llm.collective_rpc(lambda worker: worker.model_runner.model)[0]
+    model = trainer.placement.policy.engine.llm.collective_rpc(lambda worker: worker.model_runner.model)[0]
     methods = {type(module.quant_method) for module in model.modules() if hasattr(module, "quant_method")}
     processing = []
 
@@ -146,7 +147,7 @@ def sync_costs(trainer, syncs: int) -> dict[str, float]:
     sync_seconds = []
     for step in range(syncs):
         processing.append(0.0)
-        sync_seconds.append(trainer.policy.sync.sync(10**6 + step).seconds)
+        sync_seconds.append(trainer.placement.policy.sync.sync(10**6 + step).seconds)
     for method, original in originals.items():
         method.process_weights_after_loading = original
     params = [p.detach() for p in trainer.actor.module.parameters()]
@@ -206,7 +207,7 @@ def worker(overrides: list[str], warmup: int, steps: int, profile_steps: int, to
             "layout": str(trainer.layout), "walls": walls, "phases": phases, "operators": operators,
             "python": python_costs(python_profiles, profile_steps, top), "syncs": syncs}), flush=True)
     trainer.tracker.close()
-    trainer.policy.engine.shutdown()
+    trainer.placement.shutdown()
 
 
 def run_logged(command: list[str], log: Path) -> str:

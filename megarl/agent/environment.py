@@ -12,7 +12,7 @@ The turn loop (`megarl.agent.trajectories`) calls, for each trajectory:
 An environment is constructed with the run's `Toolbox` (one that uses no tools ignores it). A
 trajectory's reward is, per `rollout.multi_turn.reward`, its environment's (`Observation.reward` when
 done; 0 if it never said done), the reward function's score of the last assistant turn, or their sum
-(`megarl.trainer.multi_turn.final_rewards`). Environments never import the engine or the trainer.
+(`megarl.generation.multi_turn.final_rewards`). Environments never import the engine or the trainer.
 
 Which environment: `rollout.multi_turn.environment=path/to/file.py:Class` for every sample, else the
 one registered in ENVIRONMENTS under the sample's data_source, else `ToolEnvironment`.

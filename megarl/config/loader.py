@@ -52,9 +52,12 @@ def _schema_keys(cls: type, prefix: str = "") -> dict[str, type]:
 _KEY_TYPES = _schema_keys(RunConfig)
 
 
-def load_config(path: str | None, overrides: Sequence[str] = ()) -> RunConfig:
-    """Build the validated RunConfig from an optional YAML file and `key=value` overrides."""
+def load_config(path: str | None, overrides: Sequence[str] = (), model_required: bool = True) -> RunConfig:
+    """Build the validated RunConfig from an optional YAML file and `key=value` overrides. `model_required=False`:
+    `model.path` may be left out (a program that reads the run's config but loads no model: `evaluate.py`)."""
     config = OmegaConf.structured(RunConfig)
+    if not model_required:
+        config.model.path = ""
     if path is not None:
         config = _merge(config, _read_yaml(path), source=f"in {path}")
     for override in overrides:

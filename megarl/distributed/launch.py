@@ -25,7 +25,7 @@ def init_process_group() -> None:
     """Initialise the default process group from the torchrun environment (idempotent).
 
     Collectives time out after MEGARL_COLLECTIVE_TIMEOUT_MINUTES (default 30); the error then
-    names the phase of the RL step that was stuck (`megarl.trainer.timing`)."""
+    names the phase of the RL step that was stuck (`megarl.tracking.timing`)."""
     if dist.is_initialized():
         return
     os.environ.setdefault("RANK", "0")

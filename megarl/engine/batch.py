@@ -165,19 +165,22 @@ class SequenceBatch:
             raise ValueError("empty batch: the engine needs at least one sequence")
         lengths = self.sequence_lengths_B
         if int(lengths.max()) > self.tokens_BT.shape[1]:
-            raise ValueError(f"sequence lengths up to {int(lengths.max())} exceed tokens_BT width {self.tokens_BT.shape[1]}")
+            raise ValueError(f"sequence lengths up to {int(lengths.max())} exceed tokens_BT width "
+                             f"{self.tokens_BT.shape[1]}")
         if int(self.prompt_lengths_B.min()) < 1 or int(self.response_lengths_B.min()) < 1:
             raise ValueError("every sequence needs at least one prompt token and one response token")
         longest = int(lengths.argmax())
         if int(lengths[longest]) > max_sequence_length:
             raise ValueError(
                 f"sequence {longest} has {int(lengths[longest])} tokens (prompt {int(self.prompt_lengths_B[longest])}"
-                f" + response {int(self.response_lengths_B[longest])}), over the model's max length {max_sequence_length}"
+                f" + response {int(self.response_lengths_B[longest])}), over the model's max length "
+                f"{max_sequence_length}"
             )
         width = self.max_response_length
         for name, tensor in self.response_tensors.items():
             if tensor.shape[0] != len(self) or tensor.shape[1] < width:
-                raise ValueError(f"response tensor {name!r} has shape {tuple(tensor.shape)}; expected ({len(self)}, >={width})")
+                raise ValueError(f"response tensor {name!r} has shape {tuple(tensor.shape)}; expected "
+                                 f"({len(self)}, >={width})")
         mask = self.loss_mask_BR
         if mask is not None and (mask.shape[0] != len(self) or mask.shape[1] < width
                                  or (mask[:, :width] > self._length_mask_BR()).any()):

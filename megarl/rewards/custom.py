@@ -18,16 +18,16 @@ from megarl.user_code import load_callable
 SIGNATURE = "compute_score(data_source, solution_str, ground_truth, extra_info=None)"
 
 
-def load_scoring_function(spec: str, what: str = "reward.function") -> Callable:
-    """The function `spec` names, its signature checked; "" gives the rule scorers."""
+def load_scoring_function(spec: str) -> Callable:
+    """The function `spec` (config key reward.function) names, its signature checked; "" gives the rule scorers."""
     if not spec:
         return compute_score
-    function = load_callable(spec, what)
-    _check_signature(function, spec, what)
+    function = load_callable(spec, "reward.function")
+    _check_signature(function, spec)
     return function
 
 
-def _check_signature(function: Callable, spec: str, what: str) -> None:
+def _check_signature(function: Callable, spec: str) -> None:
     """ValueError unless `function` accepts the four arguments `RewardManager` passes, by position."""
     try:
         signature = inspect.signature(function)
@@ -36,4 +36,5 @@ def _check_signature(function: Callable, spec: str, what: str) -> None:
     try:
         signature.bind("data_source", "solution_str", "ground_truth", {})
     except TypeError as exc:
-        raise ValueError(f"{what}={spec!r} has the signature {signature} ({exc}); expected {SIGNATURE}") from None
+        raise ValueError(f"reward.function={spec!r} has the signature {signature} ({exc}); "
+                         f"expected {SIGNATURE}") from None

@@ -1,16 +1,17 @@
 """The numbers a training step logs, one pure function per source (DESIGN.md, the "log" phase).
 
-    reward/*, response_length/*, rollout/filter_rounds   the step's rollouts and their scores
+    reward/*, response_length/*                          the step's rollouts and their scores
     agent/*                                              multi-turn trajectories: turns, tool calls and
                                                          errors, the share that called a tool, tokens by
                                                          source (model, environment)
-    sync/*                                               the weight sync into the rollout engine
     actor/*, critic/*                                    the mean over an update's optimizer steps
                                                          (with actor/moe/*: expert load, router losses,
                                                          routing agreement with the rollout engine)
     mismatch/*                                           trainer vs. rollout engine log-probs
     rollout/entropy, throughput/tokens                   the scored batch (throughput/tokens_per_s: its
                                                          tokens over the step's wall clock, `throughput`)
+
+(The placement adds how the rollouts were made: sync/*, rollout/filter_rounds, rollout/staleness.)
 
 Each DP rank holds its share of the batch, so the batch's numbers are gathered as `ShareStats`
 (sums, means as sum and count, maxima, minima) and combined over DP in three all-reduces; the TP
@@ -29,8 +30,7 @@ import torch.distributed as dist
 from megarl.algorithms.importance import rollout_mismatch_tokens
 from megarl.distributed import collectives
 from megarl.engine.batch import SequenceBatch
-from megarl.resharding.executor import SyncStats
-from megarl.trainer.rollouts import Rollouts
+from megarl.generation.rollouts import Rollouts
 
 
 @dataclass
@@ -94,10 +94,9 @@ def trajectory_stats(stats: ShareStats, rollouts: Rollouts, batch: SequenceBatch
     stats.add_mean("agent/environment_tokens", batch.response_lengths_B - model_tokens_B)
 
 
-def run_metrics(rollouts: Rollouts, rounds: int) -> dict[str, float]:
-    """Counts of the whole step's generation (the same on every rank)."""
-    return {"reward/errors": float(rollouts.num_reward_errors), "reward/timeouts": float(rollouts.num_reward_timeouts),
-            "rollout/filter_rounds": float(rounds)}
+def reward_call_metrics(rollouts: Rollouts) -> dict[str, float]:
+    """The whole step's failed reward calls (the same on every rank)."""
+    return {"reward/errors": float(rollouts.num_reward_errors), "reward/timeouts": float(rollouts.num_reward_timeouts)}
 
 
 def mismatch_stats(stats: ShareStats, train_logprobs_BR: torch.Tensor, rollout_logprobs_BR: torch.Tensor,
@@ -120,14 +119,6 @@ def batch_stats(stats: ShareStats, batch: SequenceBatch, entropy_BR: torch.Tenso
 def throughput(metrics: dict[str, float], seconds: float) -> dict[str, float]:
     """The step's tokens per second of its wall clock."""
     return {"throughput/tokens_per_s": metrics["throughput/tokens"] / max(seconds, 1e-9)}
-
-
-def sync_metrics(sync: SyncStats | None) -> dict[str, float]:
-    """None: the step reused the engine's weights (synced by the validation before it)."""
-    if sync is None:
-        return {}
-    return {"sync/seconds": sync.seconds, "sync/bytes_received": float(sync.bytes_received),
-            "sync/bytes_over_lower_bound": sync.bytes_received / max(sync.lower_bound, 1)}
 
 
 def update_metrics(prefix: str, history: list[dict[str, float]]) -> dict[str, float]:

@@ -8,8 +8,8 @@ tokenize it (its special tokens included, and with `rollout.multi_turn.enable` t
 `rollout.multi_turn.tools`, so the warm start and the RL run after it see the same opening); the
 response continues it, so it gets none. The loss is the token-mean negative log-likelihood of the
 model's tokens of the response: all of a text answer, the assistant turns of a trace (their contents
-and end-of-turn tokens), not the tool results and turn headers between them (the loss mask, as in RL). The result is exported as a HF
-checkpoint in `<run_dir>/hf`, ready to be `model.path` of an RL run.
+and end-of-turn tokens), not the tool results and turn headers between them (the loss mask, as in RL).
+The result is exported as a HF checkpoint in `<run_dir>/hf`, ready to be `model.path` of an RL run.
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ from megarl.data.dataset import Prompt
 from megarl.data.prompt_dataset import PromptDataset
 from megarl.data.sampler import ResumableSampler
 from megarl.data.tokenization import continuation_ids, uses_chat_template
+from megarl.distributed.process import freeze_start_up_objects
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.batching import balance_over_data_parallel
 from megarl.engine.megatron_engine import MegatronEngine
 from megarl.models.hf_interop import export_hf
 from megarl.tracking import Tracker
-from megarl.trainer.startup import Run, freeze_start_up_objects
+from megarl.trainer.startup import Run
 
 
 def reference_response(prompt: Prompt, tokenizer, renderer: ChatRenderer | None,
@@ -97,8 +98,10 @@ class SFTTrainer:
         freeze_start_up_objects()
         with self.tracker:
             for step in self.tracker.progress(range(1, self.config.trainer.total_steps + 1)):
-                metrics, _ = self.engine.train_mini_batch(self.batch(self.sampler.next_batch()), negative_log_likelihood)
+                batch = self.batch(self.sampler.next_batch())
+                metrics, _ = self.engine.train_mini_batch(batch, negative_log_likelihood)
                 moe = {f"actor/{key}": value for key, value in metrics.items() if key.startswith("moe/")}
                 self.tracker.log({"sft/nll": metrics["sft/nll"], "actor/grad_norm": metrics["grad_norm"],
                                   "actor/lr": metrics["lr"], **moe}, step)
-            export_hf(self.engine.module, self.engine.arch, self.layout, str(self.run_dir / "hf"), self.config.model.path)
+            export_hf(self.engine.module, self.engine.arch, self.layout, str(self.run_dir / "hf"),
+                      self.config.model.path)

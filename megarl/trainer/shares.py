@@ -16,7 +16,7 @@ import torch
 from megarl.distributed import collectives
 from megarl.distributed.layout import ParallelLayout
 from megarl.engine.batching import mini_batch_groups, owned_groups
-from megarl.trainer.rollouts import Rollouts, move_responses
+from megarl.generation.rollouts import Rollouts, move_responses
 
 
 @dataclass

@@ -6,18 +6,16 @@ Every user mistake in the config fails here, before any process group or model e
 one-line `ConfigError` naming the dotted key. The trainers then check their other inputs (data,
 reward function, the checkpoint to resume) before building any model, and only then write the
 resolved config (`Run.save_config`): a run that fails at start-up leaves no config.yaml behind.
-A user error is raised alike on every rank; `exit_on_user_error` prints it once.
+A user error is raised alike on every rank; `megarl.messages.exit_on_user_error` prints it once.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn, Sequence
+from typing import Sequence
 
 from megarl.config import ConfigError, RunConfig, load_config, save_resolved, validate_batches, validate_layout
 from megarl.distributed import ParallelLayout, init_layout
@@ -139,24 +137,3 @@ def start_run(argv: Sequence[str], rl: bool) -> Run:
     actor = config.actor
     layout = init_layout(tp=actor.tp, pp=actor.pp, cp=actor.cp, ep=actor.ep, etp=actor.etp, seed=config.trainer.seed)
     return Run(config, layout, run_dir, world)
-
-
-def exit_on_user_error(error: ValueError) -> NoReturn:
-    """Exit with status 1; global rank 0 prints `megarl: <error>`, the others exit quietly (the
-    error, from the config, data or reward function, is the same on every rank)."""
-    if os.environ.get("RANK", "0") == "0":
-        sys.exit(f"megarl: {error}")
-    sys.exit(1)
-
-
-def freeze_start_up_objects() -> None:
-    """Take every object made so far out of the garbage collector's sight, before the first step.
-
-    A run's start-up leaves about a million tracked objects (megatron-core, vLLM, transformers and
-    their modules; 0.97 M on the quick start's ranks), and each full collection walks all of them:
-    540-740 ms on a 2-core CPU host, a pause of several steps whenever the objects a run keeps (its
-    metrics' history, the tracker's) have grown by a quarter of that. vLLM freezes its own start-up
-    objects so; creating the engine undoes it (`megarl.rollout.vllm_backend`), and the whole start-up
-    is frozen here instead. Frozen objects are still freed when their last reference goes."""
-    gc.collect()
-    gc.freeze()

@@ -25,6 +25,7 @@ from megarl.data.synthetic import make_arithmetic
 from tests.conftest import ROOT, assert_succeeded, torchrun
 
 REWARD = f"{ROOT / 'tests/integration/user_reward.py'}:compute_score"
+ENVIRONMENT = f"{ROOT / 'tests/integration/user_environment.py'}:AnswerEveryTurn"
 
 
 def _run(script: str, *args) -> subprocess.CompletedProcess:
@@ -47,7 +48,7 @@ evaluate = _load_evaluate()
 def _evaluate(generations, tmp_path) -> dict:
     """The table evaluate.py writes with --json."""
     table_file = tmp_path / f"{generations.stem}.json"
-    evaluate.main([str(generations), "--reward-function", REWARD, "--json", str(table_file)])
+    evaluate.main([str(generations), f"reward.function={REWARD}", "--json", str(table_file)])
     return json.loads(table_file.read_text())
 
 
@@ -68,9 +69,9 @@ def _expected_table(rows: list[dict]) -> tuple[float, float]:
 def test_generate_then_evaluate_samples(tiny_models, tmp_path):
     _, test = make_arithmetic(8, 6, seed=0, out_dir=tmp_path / "data")
     sampled = tmp_path / "sampled.parquet"
-    assert_succeeded(_run("launchers/generate.py", "--model", tiny_models["qwen2-tied"], "--data", test,
-                          "--max-response-length", 8, "--reward-function", REWARD, "--output", sampled,
-                          "--backend", "hf", "-n", 4, "--temperature", 1.0))
+    assert_succeeded(_run("launchers/generate.py", "--output", sampled, f"model.path={tiny_models['qwen2-tied']}",
+                          f"data.val_files=[{test}]", "data.max_response_length=8", f"reward.function={REWARD}",
+                          "rollout.backend=hf", "rollout.val_n=4", "rollout.val_temperature=1.0"))
     rows = pq.read_table(sampled).to_pylist()
     assert len(rows) == 24 and sorted(row["index"] for row in rows) == sorted(list(range(6)) * 4)
     assert [row["score"] for row in rows] == [_parity(row["response"]) for row in rows]
@@ -86,11 +87,12 @@ def test_generate_writes_trajectories_that_evaluate_scores(tiny_models, tmp_path
     # the conversation, its response is the last assistant turn, which the reward function scored.
     _, test = make_arithmetic(8, 3, seed=0, out_dir=tmp_path / "data")
     trajectories = tmp_path / "trajectories.jsonl"
-    assert_succeeded(_run("launchers/generate.py", "--model", tiny_models["qwen2-tied"], "--data", test,
-                          "--max-response-length", 40, "--reward-function", REWARD, "--output", trajectories,
-                          "--backend", "hf", "-n", 2, "--temperature", 1.0, "--multi-turn", "--max-turns", 2,
-                          "--max-tokens-per-turn", 6, "--multi-turn-reward", "function", "--environment",
-                          f"{ROOT / 'tests/integration/user_environment.py'}:AnswerEveryTurn"))
+    assert_succeeded(_run("launchers/generate.py", "--output", trajectories, f"model.path={tiny_models['qwen2-tied']}",
+                          f"data.val_files=[{test}]", "data.max_response_length=40", f"reward.function={REWARD}",
+                          "rollout.backend=hf", "rollout.val_n=2", "rollout.val_temperature=1.0",
+                          "rollout.multi_turn.enable=true", "rollout.multi_turn.max_turns=2",
+                          "rollout.multi_turn.max_tokens_per_turn=6", "rollout.multi_turn.reward=function",
+                          f"rollout.multi_turn.environment={ENVIRONMENT}"))
     rows = [json.loads(line) for line in trajectories.read_text().splitlines()]
     assert len(rows) == 6
     for row in rows:
@@ -100,7 +102,7 @@ def test_generate_writes_trajectories_that_evaluate_scores(tiny_models, tmp_path
         assert row["response"] == messages[3]["content"] and len(row["response"]) <= 6
         assert row["score"] == _parity(row["response"])
     mean, _ = _expected_table(rows)
-    assert evaluate.main([str(trajectories), "--reward-function", REWARD])["all"]["mean@2"] == pytest.approx(mean)
+    assert evaluate.main([str(trajectories), f"reward.function={REWARD}"])["all"]["mean@2"] == pytest.approx(mean)
 
 
 def _logged(run_dir, experiment: str, metric: str) -> dict[int, float]:
@@ -120,27 +122,26 @@ def test_generate_reproduces_the_validation_of_an_sft_warm_start_and_of_a_checkp
     make_tiny_model.main(["--out", str(base), "--bos", "--seed", "3"])
     train, test = make_arithmetic(64, 16, seed=0, out_dir=tmp_path / "data")
     lengths = {"max_prompt_length": 16, "max_response_length": 5}  # the same for validation and generate.py
-    common = [f"data.train_files=[{train}]", f"trainer.output_dir={tmp_path}", "data.apply_chat_template=false",
+    common = [f"data.train_files=[{train}]", f"data.val_files=[{test}]", f"trainer.output_dir={tmp_path}",
+              "data.apply_chat_template=false", f"reward.function={REWARD}",
               *(f"data.{key}={value}" for key, value in lengths.items())]
     assert_succeeded(torchrun(1, ROOT / "launchers/train_sft.py", "--config", "configs/quickstart_sft.yaml",
                               f"model.path={base}", *common, "trainer.total_steps=20", "data.train_batch_size=16",
                               "actor.micro_batch_size_per_rank=16", "actor.optim.lr_warmup_steps=2"))
     sft = tmp_path / "quickstart_sft/hf"
     assert_succeeded(torchrun(2, ROOT / "launchers/train_ppo.py", "--config", "configs/quickstart.yaml",
-                              f"model.path={sft}", *common, f"data.val_files=[{test}]",
-                              f"trainer.checkpoint_dir={tmp_path}/ckpt", "trainer.total_steps=2",
-                              "trainer.save_freq=2", "trainer.test_freq=0", "trainer.val_before_train=true",
-                              "data.train_batch_size=4", "rollout.n=2", "actor.ppo_mini_batch_size=2",
-                              "actor.optim.lr=3e-4", f"reward.function={REWARD}"))
+                              f"model.path={sft}", *common, f"trainer.checkpoint_dir={tmp_path}/ckpt",
+                              "trainer.total_steps=2", "trainer.save_freq=2", "trainer.test_freq=0",
+                              "trainer.val_before_train=true", "data.train_batch_size=4", "rollout.n=2",
+                              "actor.ppo_mini_batch_size=2", "actor.optim.lr=3e-4"))
     validated = _logged(tmp_path / "quickstart_grpo", "quickstart_grpo", "val/score/mean")
     assert sorted(validated) == [0, 2]
 
-    flags = [arg for key, value in lengths.items() for arg in (f"--{key.replace('_', '-')}", value)]
     checkpoint = tmp_path / "ckpt/quickstart_grpo/global_step_2"
-    for step, model in ((0, sft), (2, checkpoint)):  # generate.py's defaults are validation's: greedy, one sample
+    for step, model in ((0, sft), (2, checkpoint)):  # the run's own config: its validation's prompts and sampling
         generations = tmp_path / f"generations_{step}.jsonl"
-        assert_succeeded(torchrun(2, ROOT / "launchers/generate.py", "--model", model, "--data", test, "--output",
-                                  generations, "--no-apply-chat-template", *flags, "--reward-function", REWARD))
+        assert_succeeded(torchrun(2, ROOT / "launchers/generate.py", "--config", "configs/quickstart.yaml",
+                                  "--output", generations, f"model.path={model}", *common))
         rows = [json.loads(line) for line in generations.read_text().splitlines()]
         assert len(rows) == 16 and {"data_source", "prompt", "response", "ground_truth", "score"} <= set(rows[0])
         mean, pass_at_1 = _expected_table(rows)
@@ -160,9 +161,10 @@ def test_evaluate_names_a_missing_column(tmp_path):
 
 
 def test_generate_names_a_model_that_is_neither_hf_nor_a_checkpoint(tmp_path):
-    result = _run("launchers/generate.py", "--model", tmp_path, "--data", tmp_path / "test.parquet",
-                  "--output", tmp_path / "out.jsonl", "--backend", "hf")
+    result = _run("launchers/generate.py", "--output", tmp_path / "out.jsonl", f"model.path={tmp_path}",
+                  f"data.val_files=[{tmp_path / 'test.parquet'}]", "rollout.backend=hf")
     assert result.returncode != 0
     assert result.stderr.strip().splitlines()[-1] == (
-        f"megarl: --model {tmp_path}: expected a HuggingFace model directory (with config.json) or a megarl "
-        "checkpoint (global_step_N with an actor); not a checkpoint: no manifest.json (the save did not finish)")
+        f"megarl: config key 'model.path' = '{tmp_path}': expected a HuggingFace model directory (with config.json) "
+        "or a megarl checkpoint (global_step_N with an actor); not a checkpoint: no manifest.json (the save did not "
+        "finish)")

@@ -123,7 +123,7 @@ def test_layer_rule_catches_an_upward_import():
     layer_of = stated_layers(ARCHITECTURE.read_text())
     graph = {"seeding": {"trainer": ["megarl/seeding.py:1"]}, "trainer": {}}
     assert upward_imports(graph, layer_of) == [
-        "megarl/seeding.py:1: seeding (layer 0) imports megarl.trainer (layer 6)"]
+        "megarl/seeding.py:1: seeding (layer 0) imports megarl.trainer (layer 8)"]
 
 
 def test_imports_are_read_as_modules():
@@ -146,6 +146,22 @@ def _anchors(path: Path) -> set[str]:
 
 def _pages() -> list[Path]:
     return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def test_launchers_reach_the_trainer_only_through_its_entry_points():
+    """train_ppo.py and train_sft.py import the trainer's entry points alone; generate.py and evaluate.py nothing of
+    the trainer (they stand on megarl.generation)."""
+    reached = {path.name: sorted({module for _, module in _imports(path.read_text(), "launchers")
+                                  if module.startswith("megarl.trainer")})
+               for path in sorted((ROOT / "launchers").glob("*.py"))}
+    assert reached == {"evaluate.py": [], "generate.py": [], "train_ppo.py": ["megarl.trainer.main"],
+                       "train_sft.py": ["megarl.trainer.main"]}
+
+
+def test_the_trainer_does_not_branch_on_the_placement():
+    """The loop drives a `Placement`; which one it is, is decided in `megarl.placement.make_placement`."""
+    source = (PACKAGE / "trainer" / "rl_trainer.py").read_text()
+    assert "self.world" not in source and "SplitPlacement" not in source and "ColocatedPlacement" not in source
 
 
 def test_relative_links_resolve():

@@ -116,7 +116,7 @@ def run(argv: list[str], layout) -> dict:
         steps.append(trainer.step(step))
         after_steps.append(resident())
         if step in (1, config.trainer.total_steps):
-            validations.append(trainer.validate(step))
+            validations.append(trainer.placement.validate(step))
     return {"events": list(EVENTS), "after_steps": after_steps, "history": steps + validations, "steps": steps,
             "state": state_of(trainer)}
 

@@ -16,10 +16,10 @@ from transformers import AutoModelForCausalLM
 from megarl.agent.rendering import ChatRenderer
 from megarl.agent.trajectories import Trajectory, TurnLimits, run_turns
 from megarl.data.dataset import Prompt
+from megarl.generation.multi_turn import final_rewards
 from megarl.rewards.manager import RewardFunctionError, RewardManager
 from megarl.rollout.base import Sampling
 from megarl.rollout.hf_backend import HFRollout
-from megarl.trainer.multi_turn import final_rewards
 
 TOOLS = [{"type": "function", "function": {"name": "echo"}}]
 MAX_RESPONSE = 140  # an observation takes ~55 tokens (characters)
@@ -45,7 +45,8 @@ class EchoEnvironment:
         self.turns += 1
         if self.turns == 2:
             return Observation([], reward=self.reward, done=True, info={"tool_calls": 0})
-        return Observation([{"role": "tool", "content": f"{len(text)} chars"}], info={"tool_calls": 1, "tool_errors": 1})
+        return Observation([{"role": "tool", "content": f"{len(text)} chars"}],
+                           info={"tool_calls": 1, "tool_errors": 1})
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +139,8 @@ def test_the_final_reward_comes_from_the_source_rollout_multi_turn_reward_names(
     silent = _run(engine, renderer, range(4), sampling, 4, reward=None)
     assert any(t.ended_by for t in silent)
     for source in ("environment", "sum"):
-        pattern = r"rollout.multi_turn.reward='%s'.* environment \w+ ended .* prompt 10\d .* at turn 2 with none" % source
+        pattern = (r"rollout.multi_turn.reward='%s'.* environment \w+ ended .* prompt 10\d .* at turn 2 with none"
+                   % source)
         with pytest.raises(RewardFunctionError, match=pattern):
             final_rewards(silent, prompts, rewards, source)
     assert final_rewards(silent, prompts, rewards, "function").scores == pytest.approx(

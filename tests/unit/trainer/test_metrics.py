@@ -9,18 +9,16 @@ import torch
 
 from megarl.data.dataset import Prompt
 from megarl.engine.batch import SequenceBatch
-from megarl.resharding.executor import SyncStats
+from megarl.generation.rollouts import Rollouts
 from megarl.trainer.metrics import (
     ShareStats,
     batch_stats,
     mismatch_stats,
+    reward_call_metrics,
     rollout_stats,
-    run_metrics,
-    sync_metrics,
     throughput,
     update_metrics,
 )
-from megarl.trainer.rollouts import Rollouts
 
 
 def _rollouts() -> tuple[Rollouts, SequenceBatch]:
@@ -36,18 +34,15 @@ def test_rollout_metrics_by_hand():
     rollouts, batch = _rollouts()
     stats = ShareStats()
     rollout_stats(stats, rollouts, batch, torch.tensor([1.5, 0.5, 1.0]))
-    metrics = {**stats.values(), **run_metrics(rollouts, rounds=2)}
+    metrics = {**stats.values(), **reward_call_metrics(rollouts)}
     assert metrics["reward/mean"] == 1.0 and metrics["reward/max"] == 1.5 and metrics["reward/min"] == 0.5
     assert metrics["reward/function_mean"] == 0.5 and metrics["reward/errors"] == 1.0
     assert metrics["response_length/mean"] == 2.0 and metrics["response_length/max"] == 3.0
-    assert metrics["response_length/clip_ratio"] == 1 / 3 and metrics["rollout/filter_rounds"] == 2.0
+    assert metrics["response_length/clip_ratio"] == 1 / 3
     assert metrics["reward/acc"] == 0.5  # the NaN of a reward call without that extra is left out
 
 
 def test_sync_update_and_batch_metrics_by_hand():
-    sync = SyncStats(seconds=0.5, load_seconds=0.1, bytes_received=300, bytes_sent=0, lower_bound=200,
-                     peak_extra_bytes=0)
-    assert sync_metrics(sync) == {"sync/seconds": 0.5, "sync/bytes_received": 300.0, "sync/bytes_over_lower_bound": 1.5}
     history = [{"pg_loss": 1.0, "actor/x": 2.0, "moe/z_loss": 0.5}, {"pg_loss": 3.0, "actor/x": 4.0, "moe/z_loss": 1.5}]
     assert update_metrics("actor", history) == {"actor/pg_loss": 2.0, "actor/x": 3.0, "actor/moe/z_loss": 1.0}
     assert update_metrics("critic", []) == {}

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from megarl.trainer.timing import PhaseTimer
+from megarl.tracking.timing import PhaseTimer
 
 
 def test_phases_are_timed_and_the_step_includes_what_runs_between_them():

@@ -8,8 +8,8 @@ import math
 import pytest
 
 from megarl.data.dataset import Prompt
+from megarl.generation.rollouts import Rollouts
 from megarl.rewards import RewardFunctionError
-from megarl.trainer.rollouts import Rollouts
 
 NAN = math.nan
 

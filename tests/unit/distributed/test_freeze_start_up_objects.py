@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from megarl.trainer.startup import freeze_start_up_objects
+from megarl.distributed.process import freeze_start_up_objects
 
 
 def test_objects_made_before_the_freeze_are_no_longer_walked_by_a_collection():

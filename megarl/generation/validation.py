@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from megarl.trainer.rollouts import Rollouts
+from megarl.generation.rollouts import Rollouts
 
 
 def pass_at_k(group_ids: list[int], scores: list[float]) -> float:

@@ -1,5 +1,6 @@
 """An RL run's inputs, opened one way by every program that generates or trains on them: the trainer,
-and under split placement the rollout ranks (which draw the same prompts in the same order).
+under split placement the rollout ranks (which draw the same prompts in the same order), and
+`launchers/generate.py` (its prompts and reward function).
 
     inputs = RunInputs.open(config)   # tokenizer, train/validation prompts, sampler, reward function
 """
@@ -30,15 +31,24 @@ class RunInputs:
     def open(cls, config: RunConfig) -> RunInputs:
         """Fails in seconds with a one-line error on a bad data file or reward function."""
         tokenizer = AutoTokenizer.from_pretrained(config.model.path)
-        data, tools = config.data, tool_schemas(config.rollout.multi_turn)
-
-        def prompts(files: list[str]) -> PromptDataset:
-            return PromptDataset(files, tokenizer, data.max_prompt_length, data.apply_chat_template, tools=tools)
-
-        train_data = prompts(data.train_files)
-        return cls(tokenizer, train_data, prompts(data.val_files) if data.val_files else None,
+        data = config.data
+        train_data = prompt_dataset(config, tokenizer, data.train_files)
+        return cls(tokenizer, train_data, prompt_dataset(config, tokenizer, data.val_files) if data.val_files else None,
                    ResumableSampler(len(train_data), data.train_batch_size, config.trainer.seed, shuffle=data.shuffle),
-                   RewardManager(load_scoring_function(config.reward.function), config.reward.timeout_seconds))
+                   reward_manager(config))
+
+
+def prompt_dataset(config: RunConfig, tokenizer: PreTrainedTokenizerBase, files: list[str]) -> PromptDataset:
+    """The prompts of `files` as the run renders them (chat template, the multi-turn tools' preamble), those
+    over `data.max_prompt_length` tokens dropped."""
+    data = config.data
+    return PromptDataset(files, tokenizer, data.max_prompt_length, data.apply_chat_template,
+                         tools=tool_schemas(config.rollout.multi_turn))
+
+
+def reward_manager(config: RunConfig) -> RewardManager:
+    """The run's reward function (`reward.function`, default: the rule scorers) with its timeout."""
+    return RewardManager(load_scoring_function(config.reward.function), config.reward.timeout_seconds)
 
 
 def validation_prompts(val_data: PromptDataset, max_samples: int) -> list:

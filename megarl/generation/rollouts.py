@@ -58,7 +58,7 @@ class Rollouts:
     first_reward_failure: str | None = None
     """One line describing the first reward call that failed or timed out."""
     loss_masks: list[list[int] | None] = field(default_factory=list)
-    """Multi-turn rollouts (`megarl.trainer.multi_turn`): 1 on each response's model tokens, 0 on its
+    """Multi-turn rollouts (`megarl.generation.multi_turn`): 1 on each response's model tokens, 0 on its
     environment's; None where not held; empty for single-turn rollouts."""
     messages: list[list[dict] | None] = field(default_factory=list)
     """Multi-turn rollouts: each trajectory's conversation, held by its replica's first rank (None

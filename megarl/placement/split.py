@@ -39,43 +39,62 @@ import torch
 from megarl.config.schema import RunConfig
 from megarl.data.prompt_dataset import PromptDataset
 from megarl.distributed.layout import ParallelLayout
+from megarl.distributed.process import freeze_start_up_objects
 from megarl.distributed.split_world import SplitWorld
+from megarl.generation.collector import RolloutCollector
+from megarl.generation.engine import EngineSettings, start_rollout_engine
+from megarl.generation.inputs import RunInputs
+from megarl.generation.rollouts import Rollouts, move_responses
+from megarl.generation.validation import validation_metrics
 from megarl.models.architecture import Architecture
+from megarl.placement.base import Placement, StepRollouts, sync_metrics
 from megarl.resharding.cross_group import CrossGroupSync
 from megarl.resharding.executor import SyncStats
 from megarl.rewards import RewardFunctionError
-from megarl.rollout import ROLLOUT_BACKENDS
-from megarl.trainer.inputs import RunInputs, validation_prompts
-from megarl.trainer.metrics import sync_metrics
-from megarl.trainer.rollouts import Rollouts, collect_rollouts, move_responses, rollout_sampling
-from megarl.trainer.startup import freeze_start_up_objects
-from megarl.trainer.timing import PhaseTimer
-from megarl.trainer.validation import validation_metrics
+from megarl.tracking.timing import PhaseTimer
 
 logger = logging.getLogger(__name__)
 
-class SplitPolicy:
+
+class SplitPlacement(Placement):
     """The trainer side: weights out to the rollout ranks, batches and validations in."""
 
     def __init__(self, world: SplitWorld, module: torch.nn.Module, arch: Architecture, layout: ParallelLayout,
-                 config: RunConfig):
-        self.world, self.config = world, config
+                 config: RunConfig, inputs: RunInputs):
+        self.world, self.config, self.inputs = world, config, inputs
         self.sync = CrossGroupSync(world, config.rollout.tp, config.rollout.bucket_mib << 20,
                                    trainer=(module, arch, layout))
         self.engine_version: int | None = None
 
-    def start(self, start_step: int, sampler_state: dict, queue: list[dict]) -> None:
+    def start(self, start_step: int, sampler_state: dict, saved: dict) -> None:
         """Tell the rollout ranks where the run starts: the trainer's sampler and the saved queue."""
-        self.world.broadcast_object((start_step, sampler_state, queue), root=0)
+        self.world.broadcast_object((start_step, sampler_state, saved.get("rollout_queue", [])), root=0)
 
-    def sync_to(self, version: int, timer: PhaseTimer | None = None) -> None:
+    def rollouts(self, step: int, timer: PhaseTimer) -> StepRollouts:
+        self._sync_to(step - 1, timer)
+        rollouts, metrics = self._receive(step, self.inputs.sampler.next_batch(), timer)
+        return StepRollouts(rollouts, None, {**metrics, "rollout/filter_rounds": 1.0})
+
+    def validate(self, step: int) -> dict[str, float]:
+        """The rollout ranks validate, with the weights synced to them first."""
+        self._sync_to(step)
+        return self.world.broadcast_object(None, root=self.world.first_rollout_rank)
+
+    def checkpoint_state(self) -> dict:
+        """The batches generated but not yet trained on."""
+        return {"rollout_queue": self.world.broadcast_object(None, root=self.world.first_rollout_rank)}
+
+    def shutdown(self) -> None:
+        pass  # the rollout ranks own the engines
+
+    def _sync_to(self, version: int, timer: PhaseTimer | None = None) -> None:
         """The engines hold `version` afterwards (a sync runs unless they already did)."""
         if version != self.engine_version:
             with timer("reshard") if timer is not None else contextlib.nullcontext():
                 self.sync.sync(version)
             self.engine_version = version
 
-    def receive(self, step: int, dataset: PromptDataset, expected_indices: list[int], timer: PhaseTimer
+    def _receive(self, step: int, expected_indices: list[int], timer: PhaseTimer
                 ) -> tuple[Rollouts, dict[str, float]]:
         """B_step, whose prompts must be `expected_indices` (the trainer's sampler), and the metrics of
         its making: staleness, the rollout ranks' generation and idle time, the sync before it."""
@@ -97,15 +116,7 @@ class SplitPolicy:
                    "timing/rollout_idle": payload["idle_seconds"]}
         if payload["sync"] is not None:
             metrics.update(sync_metrics(SyncStats(**payload["sync"])))
-        return rollouts_from_payload(payload, dataset, self.config.rollout.n), metrics
-
-    def validation(self, step: int) -> dict[str, float]:
-        self.sync_to(step)
-        return self.world.broadcast_object(None, root=self.world.first_rollout_rank)
-
-    def queue(self) -> list[dict]:
-        """The batches generated but not yet trained on, for a checkpoint."""
-        return self.world.broadcast_object(None, root=self.world.first_rollout_rank)
+        return rollouts_from_payload(payload, self.inputs.train_data, self.config.rollout.n), metrics
 
 
 class RolloutWorker:
@@ -114,15 +125,11 @@ class RolloutWorker:
     def __init__(self, config: RunConfig, world: SplitWorld):
         self.config, self.world = config, world
         inputs = RunInputs.open(config)
-        self.tokenizer, self.sampler, self.rewards = inputs.tokenizer, inputs.sampler, inputs.rewards
-        self.train_data, self.val_data = inputs.train_data, inputs.val_data
-        data = config.data
+        self.sampler, self.train_data, self.val_data = inputs.sampler, inputs.train_data, inputs.val_data
         rollout = config.rollout
-        self.engine = ROLLOUT_BACKENDS.get(rollout.backend)(
-            config.model.path, dtype=config.model.dtype, tensor_parallel_size=rollout.tp,
-            max_model_len=data.max_prompt_length + data.max_response_length, kv_cache_bytes=rollout.kv_cache_mib << 20,
-            gpu_memory_utilization=rollout.gpu_memory_utilization, seed=config.trainer.seed, dummy_weights=True)
+        self.engine = start_rollout_engine(EngineSettings.of_run(config), dummy_weights=True)
         self.sync = CrossGroupSync(world, rollout.tp, rollout.bucket_mib << 20, engine=self.engine)
+        self.collector = RolloutCollector(config, inputs.tokenizer, inputs.rewards)
         self.engine_version: int | None = None
         self.last_sync: SyncStats | None = None
         """The latest sync's statistics, sent with the next batch generated."""
@@ -172,9 +179,7 @@ class RolloutWorker:
         indices = self.sampler.next_batch()
         prompts = [self.train_data[i] for i in indices]
         start = time.perf_counter()
-        sampling = rollout_sampling(self.config, self.tokenizer.eos_token_id, step, validation=False)
-        rollouts = collect_rollouts(prompts, self.engine, sampling, self.config.rollout.tp, self.tokenizer,
-                                    self.rewards)
+        rollouts = self.collector.collect(prompts, self.engine, self.collector.sampling(step, validation=False))
         move_responses(rollouts, [list(range(len(rollouts)))] + [[]] * (self.world.num_rollout_ranks - 1),
                        self.config.rollout.tp)
         payload = batch_payload(rollouts, step, indices, version)
@@ -186,10 +191,7 @@ class RolloutWorker:
 
     def _validate(self, step: int) -> None:
         self._sync_to(step)
-        prompts = validation_prompts(self.val_data, self.config.data.max_val_samples)
-        sampling = rollout_sampling(self.config, self.tokenizer.eos_token_id, 0, validation=True)
-        rollouts = collect_rollouts(prompts, self.engine, sampling, self.config.rollout.tp, self.tokenizer,
-                                    self.rewards)
+        rollouts = self.collector.validation(self.engine, self.val_data)
         self._send(validation_metrics(rollouts, self.config.rollout.val_n))
 
 

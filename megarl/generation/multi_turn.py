@@ -5,8 +5,8 @@ replica runs its block's trajectories turn by turn (`megarl.agent.trajectories`)
 first rank alone holds the environments (one per trajectory), as it alone scores: tools run once per
 trajectory, and its TP peers receive each turn's observation tokens in one broadcast over the
 replica. The openings (each trajectory's first messages rendered with its environment's tools, or
-the sample's own prompt, rendered with the run's tools, when `reset` returns none) are what every later phase takes as the
-sequence's prompt, so they are gathered onto every rank once.
+the sample's own prompt, rendered with the run's tools, when `reset` returns none) are what every
+later phase takes as the sequence's prompt, so they are gathered onto every rank once.
 
 A trajectory's score comes from `rollout.multi_turn.reward` (`final_rewards`): its environment's
 reward, the reward function's score of its last assistant turn, or their sum. Every rank then learns each trajectory's
@@ -28,9 +28,9 @@ from megarl.agent.trajectories import Trajectory, TurnLimits, run_turns
 from megarl.config.schema import RolloutConfig
 from megarl.data.dataset import Prompt
 from megarl.distributed import collectives
+from megarl.generation.rollouts import Rollouts, score_responses, share_scores, unfilled_rollouts
 from megarl.rewards.manager import RewardFunctionError, RewardManager, RewardResult
 from megarl.rollout.base import RolloutEngine, RolloutOutput, Sampling
-from megarl.trainer.rollouts import Rollouts, score_responses, share_scores, unfilled_rollouts
 
 TRAJECTORY_STATS = ("turns", "tool_calls", "tool_errors")
 
@@ -135,7 +135,8 @@ def final_rewards(trajectories: list[Trajectory], prompts: list[Prompt], rewards
         raise RewardFunctionError(
             f"rollout.multi_turn.reward={source!r} takes the environment's reward, but environment {missing.ended_by} "
             f"ended the trajectory of prompt {prompt.index} (data_source {prompt.data_source!r}) at turn "
-            f"{missing.num_turns} with none; expected a float reward from its step(), or rollout.multi_turn.reward=function")
+            f"{missing.num_turns} with none; expected a float reward from its step(), or "
+            "rollout.multi_turn.reward=function")
     if source == "environment":
         return RewardResult([float(reward) for reward in given])
     result = _function_scores(trajectories, prompts, rewards)

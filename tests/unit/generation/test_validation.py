@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from megarl.data.dataset import Prompt
-from megarl.trainer.rollouts import Rollouts
-from megarl.trainer.validation import pass_at_k, validation_metrics
+from megarl.generation.rollouts import Rollouts
+from megarl.generation.validation import pass_at_k, validation_metrics
 
 
 def test_pass_at_k_and_means_per_source():

@@ -20,7 +20,6 @@ the next step's rollout too, if the validation left the engine asleep with its w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -28,26 +27,11 @@ import torch
 from megarl import device
 from megarl.distributed.layout import ParallelLayout
 from megarl.engine.memory import MemoryPhases
+from megarl.generation.engine import EngineSettings, start_rollout_engine
 from megarl.models.architecture import Architecture
 from megarl.resharding.executor import SyncStats, WeightSync
-from megarl.rollout import ROLLOUT_BACKENDS, RolloutEngine
-from megarl.trainer.timing import PhaseTimer
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    backend: str
-    """A name in ROLLOUT_BACKENDS."""
-    model_path: str
-    """HF directory with the config and tokenizer (its weights are not read)."""
-    dtype: str
-    tp: int
-    max_model_len: int
-    kv_cache_bytes: int
-    gpu_memory_utilization: float
-    seed: int
-    bucket_bytes: int
-    """Weight-sync bucket size."""
+from megarl.rollout import RolloutEngine
+from megarl.tracking.timing import PhaseTimer
 
 
 class RolloutPolicy:
@@ -63,10 +47,7 @@ class RolloutPolicy:
         """The weights version the engine holds; None when it holds none we know of."""
         for memory in self.offload:
             memory.offload()
-        self.engine: RolloutEngine = ROLLOUT_BACKENDS.get(settings.backend)(
-            settings.model_path, dtype=settings.dtype, tensor_parallel_size=settings.tp,
-            max_model_len=settings.max_model_len, kv_cache_bytes=settings.kv_cache_bytes,
-            gpu_memory_utilization=settings.gpu_memory_utilization, seed=settings.seed, dummy_weights=True)
+        self.engine: RolloutEngine = start_rollout_engine(settings, dummy_weights=True)
         self.engine.sleep(keep_weights=False)
         for memory in self.offload:
             memory.reload()
