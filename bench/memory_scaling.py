@@ -56,7 +56,8 @@ def peak_rss_bytes() -> int:
 
 
 def batch_bytes(batch) -> int:
-    tensors = [batch.tokens_BT, batch.prompt_lengths_B, batch.response_lengths_B, *batch.response_tensors.values()]
+    tensors = [batch.tokens_BT, batch.prompt_lengths_B, batch.response_lengths_B,
+               *batch.response_tensors.present().values()]
     return sum(t.nbytes for t in tensors)
 
 

@@ -33,7 +33,7 @@ def make_batch(vocab_size: int):
         tokens[i, : PROMPT_LENGTH + length] = torch.randint(5, vocab_size, (PROMPT_LENGTH + length,),
                                                             generator=generator)
     batch = SequenceBatch(tokens, torch.full((SEQUENCES,), PROMPT_LENGTH), response_lengths)
-    batch.response_tensors["advantages"] = torch.randn(SEQUENCES, MAX_RESPONSE, generator=generator) * \
+    batch.response_tensors.advantages_BR = torch.randn(SEQUENCES, MAX_RESPONSE, generator=generator) * \
         batch.response_mask_BR
     return batch
 
@@ -76,7 +76,7 @@ class PlainMegatronLoop:
                                                        micro_batch.response_lengths_B.tolist())):
                 mask[i, prompt - 1: prompt - 1 + response] = 1.0
                 advantages[i, prompt - 1: prompt - 1 + response] = (
-                    micro_batch.response_tensors["advantages"][i, :response])
+                    micro_batch.response_tensors.advantages_BR[i, :response])
 
             def loss_func(output):
                 logprobs = -tensor_parallel.vocab_parallel_cross_entropy(output.float(), labels)  # (b, s)
@@ -111,7 +111,7 @@ def worker(model_dir: str, tp: int) -> None:
     engine = MegatronEngine(layout, ModelConfig(path=model_dir), config, total_optimizer_steps=STEPS + WARMUP)
     plain = PlainMegatronLoop(load_hf_model(model_dir, layout)[0], lr=1e-6)
     batch = make_batch(engine.arch.vocab_size)
-    batch.response_tensors["old_logprobs"] = engine.score(batch)["logprobs"]
+    batch.response_tensors.old_logprobs_BR = engine.score(batch)["logprobs"]
     loss = actor_loss(config, MAX_RESPONSE)
     seconds = {"megarl": [], "plain": []}
     groups = torch.arange(len(batch))  # one sample per prompt: each sequence its own group

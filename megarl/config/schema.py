@@ -513,10 +513,6 @@ class TrainerConfig:
     mlflow_tracking_uri: str = ""
     """mlflow store; empty: a local SQLite file in the run directory."""
 
-    check_batches: bool = False
-    """Validate the batch contract between phases (shapes, dtypes, masks), failing with the phase
-    and field."""
-
     save_freq: int = 0
     """Save a checkpoint every this many steps and at the last step (0: never)."""
 

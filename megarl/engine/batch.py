@@ -20,7 +20,8 @@ placeholder ids (experts 0..k-1), where the router keeps its own choice.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Callable
 
 import torch
 
@@ -50,6 +51,41 @@ def right_pad(rows: list[list], pad_value, dtype: torch.dtype = torch.long) -> t
 
 
 @dataclass
+class ResponseTensors:
+    """The response-aligned (B, R) float32 tensors a batch carries from phase to phase of an RL step, each
+    None until the phase that makes it has run (the phase in brackets)."""
+
+    rollout_logprobs_BR: torch.Tensor | None = None
+    """The rollout engine's log-probs of the sampled tokens [rollout]."""
+    old_logprobs_BR: torch.Tensor | None = None
+    """The actor's log-probs before its update [score; or the update's own forward when it is the only step]."""
+    ref_logprobs_BR: torch.Tensor | None = None
+    """The reference model's log-probs, for a KL loss or the KL in the reward [score]."""
+    teacher_logprobs_BR: torch.Tensor | None = None
+    """On-policy distillation: the teacher's log-probs [score]."""
+    values_BR: torch.Tensor | None = None
+    """The critic's values [score]."""
+    prm_ref_logprobs_BR: torch.Tensor | None = None
+    """PRIME: the log-probs of the implicit PRM's frozen reference [update_prm]."""
+    prm_labels_BR: torch.Tensor | None = None
+    """PRIME: each response's 0/1 outcome label on its tokens [update_prm]."""
+    process_rewards_BR: torch.Tensor | None = None
+    """PRIME: the implicit PRM's token rewards [update_prm]."""
+    advantages_BR: torch.Tensor | None = None
+    """[advantage]"""
+    returns_BR: torch.Tensor | None = None
+    """The critic's regression targets [advantage]."""
+
+    def present(self) -> dict[str, torch.Tensor]:
+        """The tensors made so far, by field name."""
+        return {f.name: value for f in fields(self) if (value := getattr(self, f.name)) is not None}
+
+    def map(self, function: Callable[[torch.Tensor], torch.Tensor]) -> ResponseTensors:
+        """`function` of every tensor made so far (the others stay None)."""
+        return ResponseTensors(**{name: function(tensor) for name, tensor in self.present().items()})
+
+
+@dataclass
 class SequenceBatch:
     tokens_BT: torch.Tensor
     """Token ids of prompt then response, right-padded (long)."""
@@ -60,8 +96,8 @@ class SequenceBatch:
     response_lengths_B: torch.Tensor
     """Number of response tokens of each sequence (>= 1)."""
 
-    response_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Per-token response-aligned (B, R) tensors carried for the loss: advantages, old log-probs..."""
+    response_tensors: ResponseTensors = field(default_factory=ResponseTensors)
+    """The per-token response-aligned tensors of the step's phases: log-probs, values, advantages..."""
 
     routed_experts_BTLK: torch.Tensor | None = None
     """MoE rollouts: (B, T, num MoE layers, top-k) int16 expert ids of each position, aligned with
@@ -73,7 +109,7 @@ class SequenceBatch:
 
     @classmethod
     def from_sequences(cls, prompt_ids: list[list[int]], response_ids: list[list[int]], pad_token_id: int,
-                       response_tensors: dict[str, torch.Tensor] | None = None,
+                       response_tensors: ResponseTensors | None = None,
                        routed_experts: list[torch.Tensor] | None = None,
                        loss_masks: list[list[int]] | None = None) -> SequenceBatch:
         """The batch of `prompt_ids[i] + response_ids[i]`, right-padded; `routed_experts[i]`: the
@@ -83,7 +119,7 @@ class SequenceBatch:
         routing = right_pad_routing(routed_experts, tokens_BT.shape[1]) if routed_experts else None
         loss_mask = right_pad(loss_masks, 0, torch.float32) if loss_masks else None
         return cls(tokens_BT, torch.tensor([len(p) for p in prompt_ids]), torch.tensor([len(r) for r in response_ids]),
-                   response_tensors or {}, routing, loss_mask)
+                   response_tensors or ResponseTensors(), routing, loss_mask)
 
     def __len__(self) -> int:
         return self.tokens_BT.shape[0]
@@ -140,7 +176,7 @@ class SequenceBatch:
             tokens_BT=self.tokens_BT[indices, :length],
             prompt_lengths_B=prompt_lengths,
             response_lengths_B=response_lengths,
-            response_tensors={k: v[indices, :width] for k, v in self.response_tensors.items()},
+            response_tensors=self.response_tensors.map(lambda tensor_BR: tensor_BR[indices, :width]),
             routed_experts_BTLK=(self.routed_experts_BTLK[indices, :length]
                                  if self.routed_experts_BTLK is not None else None),
             loss_mask_BR=self.loss_mask_BR[indices, :width] if self.loss_mask_BR is not None else None,
@@ -177,7 +213,7 @@ class SequenceBatch:
                 f"{max_sequence_length}"
             )
         width = self.max_response_length
-        for name, tensor in self.response_tensors.items():
+        for name, tensor in self.response_tensors.present().items():
             if tensor.shape[0] != len(self) or tensor.shape[1] < width:
                 raise ValueError(f"response tensor {name!r} has shape {tuple(tensor.shape)}; expected "
                                  f"({len(self)}, >={width})")

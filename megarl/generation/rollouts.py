@@ -19,7 +19,7 @@ extra metrics' names and the first reward failure's message travel as objects.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -27,45 +27,57 @@ import torch.distributed as dist
 from megarl.config.schema import RunConfig
 from megarl.data.dataset import Prompt
 from megarl.distributed import collectives
-from megarl.engine.batch import SequenceBatch, right_pad
+from megarl.engine.batch import ResponseTensors, SequenceBatch, right_pad
 from megarl.rewards.manager import RewardFunctionError, RewardManager, RewardResult, ScoringItem
 from megarl.rollout.base import RolloutEngine, RolloutOutput, Sampling
 from megarl.seeding import derive_seed
 
 
+def column():
+    """A per-sequence column of `Rollouts` (one value per sequence; left empty when the run has none of it)."""
+    return field(default_factory=list, metadata={"per_sequence": "column"})
+
+
+def named_columns():
+    """Per-sequence columns by name (a reward function's extra metrics, multi-turn counts)."""
+    return field(default_factory=dict, metadata={"per_sequence": "named"})
+
+
 @dataclass
 class Rollouts:
-    prompts: list[Prompt] = field(default_factory=list)
+    """The sequences of a step (or a validation): per-sequence columns, and counts over all of them."""
+
+    prompts: list[Prompt] = column()
     """The prompt of each sequence (each prompt appears n times, consecutively)."""
-    group_ids: list[int] = field(default_factory=list)
+    group_ids: list[int] = column()
     """Sequences of the same prompt share a group id (GRPO's groups)."""
-    replicas: list[int] = field(default_factory=list)
+    replicas: list[int] = column()
     """The engine replica that generated each sequence (whose ranks hold its response)."""
-    response_lengths: list[int] = field(default_factory=list)
-    response_ids: list[list[int] | None] = field(default_factory=list)
+    response_lengths: list[int] = column()
+    response_ids: list[list[int] | None] = column()
     """None where this rank does not hold the response (`move_responses`)."""
-    rollout_logprobs: list[list[float] | None] = field(default_factory=list)
-    routed_experts: list[torch.Tensor | None] = field(default_factory=list)
+    rollout_logprobs: list[list[float] | None] = column()
+    routed_experts: list[torch.Tensor | None] = column()
     """Mixture-of-experts models: the (P + R - 1, L, k) experts the engine routed each sequence's
     tokens to (`RolloutOutput.routed_experts`); None where not held; empty for dense models."""
     routed_experts_shape: tuple[int, int] | None = None
     """(L, k) of `routed_experts`; None for dense models."""
-    finish_reasons: list[str] = field(default_factory=list)
-    scores: list[float] = field(default_factory=list)
-    score_extras: dict[str, list[float]] = field(default_factory=dict)
+    finish_reasons: list[str] = column()
+    scores: list[float] = column()
+    score_extras: dict[str, list[float]] = named_columns()
     num_reward_errors: int = 0
     num_reward_timeouts: int = 0
     first_reward_failure: str | None = None
     """One line describing the first reward call that failed or timed out."""
-    loss_masks: list[list[int] | None] = field(default_factory=list)
+    loss_masks: list[list[int] | None] = column()
     """Multi-turn rollouts (`megarl.generation.multi_turn`): 1 on each response's model tokens, 0 on its
     environment's; None where not held; empty for single-turn rollouts."""
-    messages: list[list[dict] | None] = field(default_factory=list)
+    messages: list[list[dict] | None] = column()
     """Multi-turn rollouts: each trajectory's conversation, held by its replica's first rank (None
     elsewhere); empty for single-turn rollouts."""
-    trajectory_stats: dict[str, list[float]] = field(default_factory=dict)
+    trajectory_stats: dict[str, list[float]] = named_columns()
     """Multi-turn rollouts: per-trajectory counts (turns, tool calls, tool errors, model tokens) on every rank."""
-    policy_versions: list[int] = field(default_factory=list)
+    policy_versions: list[int] = column()
     """Split placement: the policy version that generated each sequence (v: the weights after RL step v,
     0 the initial ones); empty where the engine always holds the trainer's current weights (colocated)."""
 
@@ -73,37 +85,26 @@ class Rollouts:
         return len(self.group_ids)
 
     def select(self, indices: list[int]) -> Rollouts:
-        pick = lambda values: [values[i] for i in indices]  # noqa: E731
-        return replace(self, prompts=pick(self.prompts), group_ids=pick(self.group_ids), replicas=pick(self.replicas),
-                       response_lengths=pick(self.response_lengths), response_ids=pick(self.response_ids),
-                       rollout_logprobs=pick(self.rollout_logprobs), finish_reasons=pick(self.finish_reasons),
-                       routed_experts=pick(self.routed_experts) if self.routed_experts_shape else [],
-                       scores=pick(self.scores), score_extras={k: pick(v) for k, v in self.score_extras.items()},
-                       loss_masks=pick(self.loss_masks) if self.loss_masks else [],
-                       messages=pick(self.messages) if self.messages else [],
-                       trajectory_stats={k: pick(v) for k, v in self.trajectory_stats.items()},
-                       policy_versions=pick(self.policy_versions) if self.policy_versions else [])
+        """The sequences at `indices`, in that order, every column following."""
+        picked = {}
+        for name, kind in _columns():
+            values = getattr(self, name)
+            picked[name] = ({key: [column[i] for i in indices] for key, column in values.items()} if kind == "named"
+                            else [values[i] for i in indices] if values else [])
+        return replace(self, **picked)
 
     def extend(self, other: Rollouts) -> None:
-        self.score_extras = _aligned_extras([self, other])
-        offset = max(self.group_ids, default=-1) + 1
-        self.prompts += other.prompts
-        self.group_ids += [g + offset for g in other.group_ids]
-        self.replicas += other.replicas
-        self.response_lengths += other.response_lengths
-        self.response_ids += other.response_ids
-        self.rollout_logprobs += other.rollout_logprobs
-        self.routed_experts += other.routed_experts
-        self.routed_experts_shape = other.routed_experts_shape
-        self.finish_reasons += other.finish_reasons
-        self.scores += other.scores
+        """`other`'s sequences after these, in new groups: every column concatenated (a named column one part
+        lacks reads NaN there), the counts added."""
+        length, offset = len(self), max(self.group_ids, default=-1) + 1
+        for name, kind in _columns():
+            mine, theirs = getattr(self, name), getattr(other, name)
+            setattr(self, name, _aligned(mine, theirs, length, len(other)) if kind == "named" else mine + theirs)
+        self.group_ids[length:] = [g + offset for g in other.group_ids]
+        self.routed_experts_shape = self.routed_experts_shape or other.routed_experts_shape
         self.num_reward_errors += other.num_reward_errors
         self.num_reward_timeouts += other.num_reward_timeouts
         self.first_reward_failure = self.first_reward_failure or other.first_reward_failure
-        self.loss_masks += other.loss_masks
-        self.messages += other.messages
-        self.policy_versions += other.policy_versions
-        self.trajectory_stats = {k: self.trajectory_stats.get(k, []) + v for k, v in other.trajectory_stats.items()}
 
     def require_rewards(self) -> None:
         """Raise when no reward call succeeded: training on all-zero rewards teaches nothing, and a
@@ -115,9 +116,9 @@ class Rollouts:
     def to_batch(self, pad_token_id: int) -> SequenceBatch:
         """Prompt + response token sequences, right-padded, with the engine's log-probs aligned, its
         routing and the loss masks of multi-turn rollouts, if any (all responses must be held here)."""
+        tensors = ResponseTensors(rollout_logprobs_BR=right_pad(self.rollout_logprobs, 0.0, torch.float32))
         return SequenceBatch.from_sequences([p.prompt_ids for p in self.prompts], self.response_ids, pad_token_id,
-                                            {"rollout_logprobs": right_pad(self.rollout_logprobs, 0.0, torch.float32)},
-                                            self.routed_experts or None, self.loss_masks or None)
+                                            tensors, self.routed_experts or None, self.loss_masks or None)
 
 
 def rollout_sampling(config: RunConfig, eos_token_id: int | None, step: int, validation: bool,
@@ -261,8 +262,13 @@ def move_responses(rollouts: Rollouts, wanted: list[list[int]], engine_tp: int) 
             offset += size(i)
 
 
-def _aligned_extras(parts: list[Rollouts]) -> dict[str, list[float]]:
-    """The parts' extra metrics concatenated, NaN for the sequences of a part that lacks a key."""
-    keys = sorted({key for part in parts for key in part.score_extras})
-    return {key: [value for part in parts for value in part.score_extras.get(key, [math.nan] * len(part))]
-            for key in keys}
+def _columns() -> list[tuple[str, str]]:
+    """(name, "column" or "named") of every per-sequence field of `Rollouts`."""
+    return [(f.name, f.metadata["per_sequence"]) for f in fields(Rollouts) if "per_sequence" in f.metadata]
+
+
+def _aligned(first: dict[str, list[float]], second: dict[str, list[float]], first_length: int,
+             second_length: int) -> dict[str, list[float]]:
+    """Two parts' named columns concatenated, NaN for the sequences of a part that lacks a name."""
+    return {key: first.get(key, [math.nan] * first_length) + second.get(key, [math.nan] * second_length)
+            for key in sorted(first.keys() | second.keys())}

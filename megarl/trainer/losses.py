@@ -36,7 +36,7 @@ def actor_loss(config: ActorConfig, max_response_length: int) -> LossFn:
     params = PolicyLossParams(config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_c or None)
 
     def loss_fn(outputs: dict, micro_batch: SequenceBatch, normalizer: LossNormalizer):
-        tensors = {k: v.to(outputs["logprobs"].device) for k, v in micro_batch.response_tensors.items()}
+        tensors = micro_batch.response_tensors.map(lambda tensor_BR: tensor_BR.to(outputs["logprobs"].device))
         mask_BR = micro_batch.response_mask_BR.to(outputs["logprobs"].device)
 
         def mean(values_BR):
@@ -45,17 +45,17 @@ def actor_loss(config: ActorConfig, max_response_length: int) -> LossFn:
 
         # Without old log-probs the trainer skipped scoring because this is the update's only step: the
         # policy being trained is still the one the batch is scored against, so they are its own.
-        old_BR = tensors["old_logprobs"] if "old_logprobs" in tensors else outputs["logprobs"].detach()
+        old_BR = tensors.old_logprobs_BR if tensors.old_logprobs_BR is not None else outputs["logprobs"].detach()
         weights_BR = None
         if config.tis_cap > 0:
-            weights_BR = truncated_importance_weights(old_BR, tensors["rollout_logprobs"], mask_BR, config.tis_cap)
-        pg_BR, pg_metrics = policy_loss(outputs["logprobs"], old_BR, tensors["advantages"], mask_BR, params,
+            weights_BR = truncated_importance_weights(old_BR, tensors.rollout_logprobs_BR, mask_BR, config.tis_cap)
+        pg_BR, pg_metrics = policy_loss(outputs["logprobs"], old_BR, tensors.advantages_BR, mask_BR, params,
                                         weights_BR)
         pg_loss, entropy = mean(pg_BR), mean(outputs["entropy"])
         loss = pg_loss - config.entropy_coeff * entropy
         metrics = {"actor/pg_loss": pg_loss.detach(), "actor/entropy": entropy.detach()}
         if config.use_kl_loss:
-            kl = mean(kl_estimator(outputs["logprobs"], tensors["ref_logprobs"]))
+            kl = mean(kl_estimator(outputs["logprobs"], tensors.ref_logprobs_BR))
             loss = loss + config.kl_loss_coef * kl
             metrics["actor/kl_loss"] = kl.detach()
         for name, value in pg_metrics.items():
@@ -67,9 +67,9 @@ def actor_loss(config: ActorConfig, max_response_length: int) -> LossFn:
 
 def critic_loss(config: CriticConfig) -> LossFn:
     def loss_fn(outputs: dict, micro_batch: SequenceBatch, normalizer: LossNormalizer):
-        tensors = {k: v.to(outputs["values"].device) for k, v in micro_batch.response_tensors.items()}
+        tensors = micro_batch.response_tensors.map(lambda tensor_BR: tensor_BR.to(outputs["values"].device))
         mask_BR = micro_batch.response_mask_BR.to(outputs["values"].device)
-        loss_BR, value_metrics = clipped_value_loss(outputs["values"], tensors["values"], tensors["returns"],
+        loss_BR, value_metrics = clipped_value_loss(outputs["values"], tensors.values_BR, tensors.returns_BR,
                                                     mask_BR, config.cliprange_value)
         loss = aggregate(loss_BR, mask_BR, "token-mean", normalizer.num_tokens)
         metrics = {"critic/vf_loss": loss.detach()}
@@ -82,15 +82,15 @@ def critic_loss(config: CriticConfig) -> LossFn:
 
 def prm_loss(config: PrimeConfig) -> LossFn:
     """PRIME's cross-entropy of the implicit sequence reward against the outcome labels, a mean over the
-    mini-batch's responses; the batch carries the reference's log-probs ("prm_ref_logprobs") and each
-    response's 0/1 label on its tokens ("prm_labels")."""
+    mini-batch's responses; the batch carries the reference's log-probs (`prm_ref_logprobs_BR`) and each
+    response's 0/1 label on its tokens (`prm_labels_BR`)."""
 
     def loss_fn(outputs: dict, micro_batch: SequenceBatch, normalizer: LossNormalizer):
         device = outputs["logprobs"].device
-        tensors = {k: v.to(device) for k, v in micro_batch.response_tensors.items()}
+        tensors = micro_batch.response_tensors.map(lambda tensor_BR: tensor_BR.to(device))
         mask_BR = micro_batch.response_mask_BR.to(device)
-        rewards_B = implicit_sequence_rewards(outputs["logprobs"], tensors["prm_ref_logprobs"], mask_BR, config.beta)
-        labels_B = tensors["prm_labels"][:, 0]  # every response has a first token
+        rewards_B = implicit_sequence_rewards(outputs["logprobs"], tensors.prm_ref_logprobs_BR, mask_BR, config.beta)
+        labels_B = tensors.prm_labels_BR[:, 0]  # every response has a first token
         loss = outcome_cross_entropy(rewards_B, labels_B).sum() / normalizer.num_sequences
         accuracy = implicit_accuracy(rewards_B.detach(), labels_B).sum() / normalizer.num_sequences
         return loss, {"prime/prm_loss": loss.detach(), "prime/prm_accuracy": accuracy}

@@ -2,7 +2,7 @@
 
     prm = ImplicitPRM(config.prime, engine, reference)
     history = prm.process_rewards(batch, group_ids_B, num_groups, function_scores_B, seed, step, stats)
-    # batch.response_tensors["process_rewards"]: beta * log(pi_prm / pi_ref) per response token
+    # batch.response_tensors.process_rewards_BR: beta * log(pi_prm / pi_ref) per response token
 
 The PRM is a trainable Megatron engine on the actor's layout, trained like the critic: `engine.update`
 with mini-batches of whole groups, here with the cross-entropy of its implicit sequence reward against
@@ -39,12 +39,12 @@ class ImplicitPRM:
                         function_scores_B: torch.Tensor, seed: int, step: int, stats: ShareStats
                         ) -> list[dict[str, float]]:
         """Train the PRM on this DP rank's share (whole groups, `engine.update`'s arguments) and put its
-        token rewards into `batch.response_tensors["process_rewards"]`. Returns the update's metrics."""
+        token rewards into `batch.response_tensors.process_rewards_BR`. Returns the update's metrics."""
         tensors, mask_BR = batch.response_tensors, batch.response_mask_BR
         # The PRM is a model of its own: scored at temperature 1, whatever the rollout's temperature.
-        tensors["prm_ref_logprobs"] = self.reference.score(batch)["logprobs"]
+        tensors.prm_ref_logprobs_BR = self.reference.score(batch)["logprobs"]
         labels_B = (function_scores_B > self.config.correct_threshold).float()
-        tensors["prm_labels"] = labels_B[:, None] * mask_BR
+        tensors.prm_labels_BR = labels_B[:, None] * mask_BR
         if self.config.update == "before":
             history, _ = self.engine.update(batch, group_ids_B, num_groups, self.loss, seed, step)
             prm_logprobs_BR = self.engine.score(batch)["logprobs"]
@@ -54,8 +54,8 @@ class ImplicitPRM:
             history, kept = self.engine.update(batch, group_ids_B, num_groups, self.loss, seed, step,
                                                keep_outputs=single_forward)
             prm_logprobs_BR = (kept if single_forward else scored)["logprobs"]
-        rewards_BR = implicit_token_rewards(prm_logprobs_BR, tensors["prm_ref_logprobs"], mask_BR, self.config.beta)
-        tensors["process_rewards"] = rewards_BR
+        rewards_BR = implicit_token_rewards(prm_logprobs_BR, tensors.prm_ref_logprobs_BR, mask_BR, self.config.beta)
+        tensors.process_rewards_BR = rewards_BR
         sequence_rewards_B = rewards_BR.sum(dim=-1)
         stats.add_mean("prime/reward_accuracy", implicit_accuracy(sequence_rewards_B, labels_B))
         stats.add_mean("prime/token_reward/mean", rewards_BR[mask_BR > 0])

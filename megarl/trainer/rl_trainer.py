@@ -38,7 +38,6 @@ from megarl.placement import make_placement
 from megarl.rewards import token_level_scores
 from megarl.tracking import Tracker
 from megarl.tracking.timing import PhaseTimer
-from megarl.trainer.contract import check_batch
 from megarl.trainer.curves import plot_curves
 from megarl.trainer.losses import actor_loss, critic_loss
 from megarl.trainer.metrics import (
@@ -180,7 +179,6 @@ class RLTrainer:
                                   self.config.trainer.seed, step)
         group_ids_B, num_groups = share.group_ids_B, share.num_groups
         batch = local.to_batch(self.pad_token_id)
-        self._check(batch, "rollout", ("rollout_logprobs",))
         tensors, temperature, seed = batch.response_tensors, self.config.rollout.temperature, self.config.trainer.seed
         # A single-step actor update computes the old log-probs in its own forward: no scoring pass
         # (unless the reward's KL or the teacher's needs them first).
@@ -190,16 +188,15 @@ class RLTrainer:
         with timer("score"):
             if not old_from_update:
                 scored = self.actor.score(batch, temperature)
-                tensors["old_logprobs"] = scored["logprobs"]
+                tensors.old_logprobs_BR = scored["logprobs"]
             if self.reference is not None:
-                tensors["ref_logprobs"] = self.reference.score(batch, temperature)["logprobs"]
+                tensors.ref_logprobs_BR = self.reference.score(batch, temperature)["logprobs"]
             if self.teacher is not None:
-                tensors["teacher_logprobs"] = self.teacher.score(batch, temperature)["logprobs"]
+                tensors.teacher_logprobs_BR = self.teacher.score(batch, temperature)["logprobs"]
             if self.critic is not None:
-                tensors["values"] = self.critic.score(batch)["values"]
+                tensors.values_BR = self.critic.score(batch)["values"]
             if self.reward_model is not None:
                 reward_model_values_BR = self.reward_model.score(batch)["values"]
-        self._check(batch, "score", () if old_from_update else ("old_logprobs",))
         stats = ShareStats()
         with timer("reward"):
             scores_B, token_rewards_BR = self._rewards(batch, local.scores, reward_model_values_BR, stats)
@@ -208,26 +205,23 @@ class RLTrainer:
             with timer("update_prm"):
                 prm_history = self.prm.process_rewards(batch, group_ids_B, num_groups, torch.tensor(local.scores),
                                                        seed, step, stats)
-            self._check(batch, "update_prm", ("process_rewards",))
         with timer("advantage"):
             baseline_B = made.greedy_baseline_B[share.indices] if made.greedy_baseline_B is not None else None
             self._advantages(batch, group_ids_B, token_rewards_BR, baseline_B, stats)
-        self._check(batch, "advantage", ("advantages", "returns"))
         with timer("update_actor"):
             loss = actor_loss(self.config.actor, self.config.data.max_response_length)
             actor_history, kept = self.actor.update(batch, group_ids_B, num_groups, loss, seed, step,
                                                     temperature=temperature, keep_outputs=old_from_update)
         if old_from_update:
             scored = kept
-            tensors["old_logprobs"] = scored["logprobs"]
-            self._check(batch, "update_actor", ("old_logprobs",))
+            tensors.old_logprobs_BR = scored["logprobs"]
         critic_history = []
         if self.critic is not None:
             with timer("update_critic"):
                 critic_history, _ = self.critic.update(batch, group_ids_B, num_groups, critic_loss(self.config.critic),
                                                        seed, step)
         rollout_stats(stats, local, batch, scores_B)
-        mismatch_stats(stats, tensors["old_logprobs"], tensors["rollout_logprobs"], batch.response_mask_BR)
+        mismatch_stats(stats, tensors.old_logprobs_BR, tensors.rollout_logprobs_BR, batch.response_mask_BR)
         batch_stats(stats, batch, scored["entropy"])
         metrics = stats.reduce(self.layout.dp_group).values()
         if self.config.algorithm.use_kl_in_reward:
@@ -251,8 +245,8 @@ class RLTrainer:
                                        algorithm.overlong_buffer_length, algorithm.overlong_penalty_factor)
         token_rewards_BR = token_level_scores(penalized_B.tolist(), batch.response_lengths_B.tolist())
         if algorithm.use_kl_in_reward:
-            token_rewards_BR, kl = kl_penalty_rewards(token_rewards_BR, tensors["old_logprobs"],
-                                                      tensors["ref_logprobs"], batch.response_mask_BR,
+            token_rewards_BR, kl = kl_penalty_rewards(token_rewards_BR, tensors.old_logprobs_BR,
+                                                      tensors.ref_logprobs_BR, batch.response_mask_BR,
                                                       self.kl_ctrl.value, algorithm.kl_penalty)
             stats.means["actor/reward_kl"] = (kl * len(batch), len(batch))  # a mean over sequences
         return scores_B, token_rewards_BR
@@ -262,25 +256,21 @@ class RLTrainer:
         """Advantages and returns of the share (whole groups, so group estimators need nothing else)."""
         algorithm, tensors = self.config.algorithm, batch.response_tensors
         mask_BR = batch.response_mask_BR
-        if "teacher_logprobs" in tensors:
-            distillation_stats(stats, tensors["old_logprobs"], tensors["teacher_logprobs"], mask_BR)
+        if tensors.teacher_logprobs_BR is not None:
+            distillation_stats(stats, tensors.old_logprobs_BR, tensors.teacher_logprobs_BR, mask_BR)
         advantages_BR, returns_BR = self.estimator(AdvantageInputs(
             token_rewards_BR=token_rewards_BR, mask_BR=mask_BR, group_ids_B=group_ids_B,
-            values_BR=tensors.get("values"), baseline_rewards_B=baseline_B, gamma=algorithm.gamma, lam=algorithm.lam,
-            student_logprobs_BR=tensors.get("old_logprobs"), teacher_logprobs_BR=tensors.get("teacher_logprobs"),
+            values_BR=tensors.values_BR, baseline_rewards_B=baseline_B, gamma=algorithm.gamma, lam=algorithm.lam,
+            student_logprobs_BR=tensors.old_logprobs_BR, teacher_logprobs_BR=tensors.teacher_logprobs_BR,
             task_reward_weight=self.config.teacher.task_reward_weight,
-            process_rewards_BR=tensors.get("process_rewards"), outcome_weight=self.config.prime.outcome_weight,
+            process_rewards_BR=tensors.process_rewards_BR, outcome_weight=self.config.prime.outcome_weight,
             process_weight=self.config.prime.process_weight,
             norm_by_std=algorithm.norm_adv_by_std, sum_over_batch=lambda sums: sum_over_shares(sums, self.layout),
         ))
-        tensors["advantages"], tensors["returns"] = advantages_BR * mask_BR, returns_BR * mask_BR
+        tensors.advantages_BR, tensors.returns_BR = advantages_BR * mask_BR, returns_BR * mask_BR
         valid = mask_BR.bool()
         if baseline_B is not None:
             stats.add_mean("reward/greedy_baseline_mean", baseline_B)
         stats.add_mean("advantages/mean", advantages_BR[valid])
         stats.add_range("advantages", advantages_BR[valid])
         stats.add_mean("returns/mean", returns_BR[valid])
-
-    def _check(self, batch, phase: str, required: tuple[str, ...]) -> None:
-        if self.config.trainer.check_batches:
-            check_batch(phase, batch, self.actor.arch.vocab_size, required)

@@ -51,7 +51,7 @@ def offload_args(models: dict, tmp_path) -> list[str]:
             f"data.train_files=[{train}]", f"data.val_files=[{test}]", f"trainer.output_dir={tmp_path}",
             f"trainer.checkpoint_dir={tmp_path / 'ckpt'}", "trainer.loggers=[]", "trainer.total_steps=3",
             "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2",
-            "data.max_val_samples=4", "trainer.check_batches=true", "rollout.backend=recording-hf",
+            "data.max_val_samples=4", "rollout.backend=recording-hf",
             f"reward.function={ROOT / 'tests/integration/user_reward.py'}:compute_score"]
 
 

@@ -51,7 +51,7 @@ def _overrides(model, data, out, *extra):
     return [f"model.path={model}", f"data.train_files=[{train}]", f"data.val_files=[{test}]",
             f"trainer.output_dir={out}", "trainer.total_steps=2", "trainer.test_freq=0", "data.train_batch_size=4",
             "actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2", "data.max_val_samples=8",
-            "trainer.check_batches=true", *extra]
+            *extra]
 
 
 def _history(run_dir, experiment, metric):

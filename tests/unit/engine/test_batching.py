@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarl.engine.batch import SequenceBatch, right_pad
+from megarl.engine.batch import ResponseTensors, SequenceBatch, right_pad
 from megarl.engine.batching import (
     balance_over_data_parallel,
     budgeted_micro_batches,
@@ -108,8 +108,10 @@ def test_response_alignment_by_hand():
 
 def test_from_sequences_right_pads_prompt_plus_response():
     x = right_pad([[0.5], [1.0, 2.0, 3.0]], 0.0, torch.float32)
-    batch = SequenceBatch.from_sequences([[5, 6], [7]], [[1], [2, 3, 4]], pad_token_id=0, response_tensors={"x": x})
+    batch = SequenceBatch.from_sequences([[5, 6], [7]], [[1], [2, 3, 4]], pad_token_id=0,
+                                         response_tensors=ResponseTensors(rollout_logprobs_BR=x))
     assert batch.tokens_BT.tolist() == [[5, 6, 1, 0], [7, 2, 3, 4]]
     assert batch.prompt_lengths_B.tolist() == [2, 1] and batch.response_lengths_B.tolist() == [1, 3]
     assert batch.response_tokens_BR().tolist()[1] == [2, 3, 4]
-    assert batch.response_tensors["x"].tolist() == [[0.5, 0.0, 0.0], [1.0, 2.0, 3.0]]
+    assert batch.response_tensors.rollout_logprobs_BR.tolist() == [[0.5, 0.0, 0.0], [1.0, 2.0, 3.0]]
+    assert batch.select([1]).response_tensors.present().keys() == {"rollout_logprobs_BR"}  # the others stay None

@@ -1,5 +1,5 @@
-"""Rollouts of several filter rounds whose reward functions returned different extra metrics, and
-stopping when no reward call of a batch succeeded."""
+"""Rollouts of several filter rounds whose reward functions returned different extra metrics, every
+per-sequence column following its sequence, and stopping when no reward call of a batch succeeded."""
 
 from __future__ import annotations
 
@@ -38,6 +38,23 @@ def test_extras_a_round_lacks_are_nan_and_stay_aligned_through_select_and_extend
     assert _same(kept.score_extras["length"], [5.0, 6.0, 7.0, 8.0, NAN, NAN])
     assert _same(kept.score_extras["tokens"], [NAN, NAN, NAN, NAN, 3.0, 4.0])
     assert _same(kept.select([5, 0]).score_extras["tokens"], [4.0, NAN])
+
+
+def test_every_column_follows_its_sequence_and_counts_add_up():
+    # Multi-turn and split placement's columns too: loss masks, policy versions, trajectory counts.
+    first = _rollouts([0, 0, 1, 1], [1.0, 0.0, 0.5, 0.0], {}, errors=1, first="item 1 failed")
+    first.loss_masks, first.policy_versions = [[1], [0], [1], [1]], [3, 3, 4, 4]
+    first.trajectory_stats = {"turns": [1.0, 2.0, 3.0, 4.0]}
+    picked = first.select([3, 0])
+    assert picked.group_ids == [1, 0] and picked.scores == [0.0, 1.0] and picked.response_ids == [[11], [10]]
+    assert picked.loss_masks == [[1], [1]] and picked.policy_versions == [4, 3]
+    assert picked.trajectory_stats == {"turns": [4.0, 1.0]} and picked.num_reward_errors == 1
+    second = _rollouts([0, 0], [0.0, 0.0], {}, errors=2, first="item 0 failed")
+    second.loss_masks, second.policy_versions, second.trajectory_stats = [[0], [1]], [5, 5], {"turns": [9.0, 9.0]}
+    picked.extend(second)
+    assert picked.group_ids == [1, 0, 2, 2] and picked.policy_versions == [4, 3, 5, 5]
+    assert picked.trajectory_stats == {"turns": [4.0, 1.0, 9.0, 9.0]} and picked.loss_masks[2:] == [[0], [1]]
+    assert picked.num_reward_errors == 3 and picked.first_reward_failure == "item 1 failed"
 
 
 def test_a_batch_where_every_reward_call_failed_stops_the_run():

@@ -20,8 +20,8 @@ def _batch() -> SequenceBatch:
     batch = SequenceBatch(torch.randint(0, 50, (4, 9), generator=generator), torch.tensor([2, 4, 3, 5]),
                           response_lengths)
     mask = batch.response_mask_BR
-    batch.response_tensors["advantages"] = torch.randn(4, 5, generator=generator) * mask
-    batch.response_tensors["rollout_logprobs"] = -torch.rand(4, 5, generator=generator) * mask
+    batch.response_tensors.advantages_BR = torch.randn(4, 5, generator=generator) * mask
+    batch.response_tensors.rollout_logprobs_BR = -torch.rand(4, 5, generator=generator) * mask
     return batch
 
 
@@ -38,7 +38,7 @@ def test_missing_old_logprobs_are_the_forwards_own():
     config = ActorConfig(tis_cap=2.0)  # the importance weights use the old log-probs too
     logprobs = -torch.rand(4, 5, generator=torch.Generator().manual_seed(2)) * _batch().response_mask_BR
     recorded = _batch()
-    recorded.response_tensors["old_logprobs"] = logprobs.clone()
+    recorded.response_tensors.old_logprobs_BR = logprobs.clone()
     expected = _loss_and_grad(config, recorded, logprobs)
     actual = _loss_and_grad(config, _batch(), logprobs)
     assert torch.equal(actual[0], expected[0]) and torch.equal(actual[1], expected[1])
@@ -46,8 +46,8 @@ def test_missing_old_logprobs_are_the_forwards_own():
     # An independent value: at ratio 1 the gradient is -advantage / tokens on every response token.
     batch = _batch()
     tokens = int(batch.response_lengths_B.sum())
-    weights = torch.exp(logprobs - batch.response_tensors["rollout_logprobs"]).clamp(max=2.0)
-    assert torch.allclose(actual[1], -batch.response_tensors["advantages"] * weights * batch.response_mask_BR / tokens)
+    weights = torch.exp(logprobs - batch.response_tensors.rollout_logprobs_BR).clamp(max=2.0)
+    assert torch.allclose(actual[1], -batch.response_tensors.advantages_BR * weights * batch.response_mask_BR / tokens)
 
 
 def test_truncated_importance_weights_scale_each_tokens_loss():
@@ -57,8 +57,8 @@ def test_truncated_importance_weights_scale_each_tokens_loss():
     batch = _batch()
     mask = batch.response_mask_BR
     old = -torch.rand(4, 5, generator=generator) * mask
-    batch.response_tensors["old_logprobs"] = old
-    batch.response_tensors["rollout_logprobs"] = old + 0.6 * (torch.rand(4, 5, generator=generator) - 0.5) * mask
+    batch.response_tensors.old_logprobs_BR = old
+    batch.response_tensors.rollout_logprobs_BR = old + 0.6 * (torch.rand(4, 5, generator=generator) - 0.5) * mask
     new = old + 0.8 * (torch.rand(4, 5, generator=generator) - 0.5) * mask
     loss, _, _ = _loss_and_grad(config, batch, new)
     # By hand, token by token: w = min(pi_old / pi_rollout, cap); pg = max(-A r, -A clip(r)); token mean.
@@ -66,8 +66,8 @@ def test_truncated_importance_weights_scale_each_tokens_loss():
     for b in range(4):
         for t in range(int(batch.response_lengths_B[b])):
             ratio = float(torch.exp(new[b, t] - old[b, t]))
-            weight = min(float(torch.exp(old[b, t] - batch.response_tensors["rollout_logprobs"][b, t])), 1.1)
-            advantage = float(batch.response_tensors["advantages"][b, t])
+            weight = min(float(torch.exp(old[b, t] - batch.response_tensors.rollout_logprobs_BR[b, t])), 1.1)
+            advantage = float(batch.response_tensors.advantages_BR[b, t])
             expected += weight * max(-advantage * ratio, -advantage * min(max(ratio, 0.8), 1.2))
             tokens += 1
     entropy = float((torch.rand(4, 5, generator=torch.Generator().manual_seed(1)) * mask).sum()) / tokens
@@ -82,8 +82,8 @@ def test_prm_loss_gradient_is_beta_times_sigmoid_minus_label():
     generator = torch.Generator().manual_seed(3)
     reference = -torch.rand(4, 5, generator=generator) * mask
     labels = [1.0, 0.0, 1.0, 0.0]
-    batch.response_tensors["prm_ref_logprobs"] = reference
-    batch.response_tensors["prm_labels"] = torch.tensor(labels)[:, None] * mask
+    batch.response_tensors.prm_ref_logprobs_BR = reference
+    batch.response_tensors.prm_labels_BR = torch.tensor(labels)[:, None] * mask
     logprobs = (-torch.rand(4, 5, generator=generator) * mask).requires_grad_()
     loss, metrics = prm_loss(PrimeConfig(beta=0.1))({"logprobs": logprobs}, batch, LossNormalizer(100, 8))
     loss.backward()
@@ -108,12 +108,12 @@ def test_environment_tokens_of_multi_turn_responses_get_exactly_zero_gradient():
     mask = right_pad(loss_masks, 0, torch.float32)
     rewards = token_level_scores([1.0, 0.0, 0.5], batch.response_lengths_B.tolist())
     advantages, _ = ADVANTAGE_ESTIMATORS.get("grpo")(AdvantageInputs(rewards * mask, mask, torch.tensor([0, 0, 1])))
-    batch.response_tensors.update(advantages=advantages * mask,
-                                  ref_logprobs=-torch.rand(3, 8, generator=generator) * mask)
+    batch.response_tensors.advantages_BR = advantages * mask
+    batch.response_tensors.ref_logprobs_BR = -torch.rand(3, 8, generator=generator) * mask
     logprobs = (-torch.rand(3, 8, generator=generator)).requires_grad_()
     entropy = torch.rand(3, 8, generator=generator).requires_grad_()
     config = ActorConfig(use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01)
-    batch.response_tensors["old_logprobs"] = logprobs.detach().clone()
+    batch.response_tensors.old_logprobs_BR = logprobs.detach().clone()
     loss, _ = actor_loss(config, max_response_length=8)({"logprobs": logprobs, "entropy": entropy}, batch,
                                                         LossNormalizer(batch.num_loss_tokens, len(batch)))
     loss.backward()
@@ -122,8 +122,9 @@ def test_environment_tokens_of_multi_turn_responses_get_exactly_zero_gradient():
     assert torch.equal(entropy.grad[environment], torch.zeros(int(environment.sum())))
     assert (entropy.grad[mask > 0] != 0).all()
     # Model tokens: at ratio 1 the policy-gradient term is -A / (model tokens), plus the KL term's.
-    kl_grad = torch.func.grad(lambda lp: (KL_ESTIMATORS.get(config.kl_loss_type)(lp, batch.response_tensors[
-        "ref_logprobs"]) * mask).sum())(logprobs.detach()) * 0.1
-    expected = (-batch.response_tensors["advantages"] * mask + kl_grad) / 11
+    reference = batch.response_tensors.ref_logprobs_BR
+    kl_grad = torch.func.grad(lambda lp: (KL_ESTIMATORS.get(config.kl_loss_type)(lp, reference) * mask).sum())(
+        logprobs.detach()) * 0.1
+    expected = (-batch.response_tensors.advantages_BR * mask + kl_grad) / 11
     torch.testing.assert_close(logprobs.grad[mask > 0], expected[mask > 0], rtol=1e-6, atol=1e-7)
     assert torch.equal(batch.response_mask_BR, mask) and batch.num_loss_tokens == 11
