@@ -15,6 +15,26 @@ the group of responses to the same prompt (sharing a group id).
     reinforce_plus_plus
                G_t = sum_{k >= t} gamma^{k-t} r_k (return-to-go), whitened over the batch's valid
                tokens; returns = G.
+    grpo_passk A_i = max_{j in G(i)} score_j - max_{j in G(i), j != i} score_j: the leave-one-out
+               gradient of the group's best score (pass@k with k the group size; Tang et al.,
+               arXiv:2503.19595), so only a group's unique best response has a signal, its margin over
+               the runner-up; over std_G(i) + eps unless norm_by_std=False; a group of one gets 0 (verl
+               raises).
+    opo        A_i = score_i - sum_{j in G(i)} l_j score_j / sum_{j in G(i)} l_j, l_j the number of
+               valid tokens of response j: the baseline of least gradient variance when a response's
+               squared score-function norm grows with its length (OPO, Hao et al., arXiv:2505.23585). A
+               group of one gets 0 (its own score is its baseline; verl keeps the raw score there).
+    reinforce_plus_plus_baseline
+               A_i = score_i - mean_G(i), broadcast over the response and whitened over the batch's
+               valid tokens (REINFORCE++-baseline, Hu et al., arXiv:2501.03262); a group of one gets 0
+               before whitening (verl keeps the raw score there); returns = A.
+    gdpo       A = whitened sum_k grpo(c_k): each reward component c_ik (`reward_components_BK`, the
+               run's algorithm.reward_components) normalised within its group exactly as grpo normalises
+               the score, the K results summed per response and whitened over the batch's valid tokens
+               (GDPO, Liu et al., arXiv:2601.05242: normalising the sum instead collapses distinct
+               component profiles onto one advantage). Whitening is token-weighted as in the authors'
+               verl code (their TRL code whitens per response); the score and token rewards do not
+               enter it; returns = A.
     remax      A_i = score_i - b_i, b_i the reward of the greedy response to the same prompt;
                returns = A. (verl uses the per-token return-to-go minus b_i; both agree when the
                only reward is the outcome at the last token.)
@@ -30,6 +50,7 @@ of the whole batch: an estimator given one DP rank's share of it gets the batch'
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -70,6 +91,8 @@ class AdvantageInputs:
     """prime: weight of the outcome reward's advantage."""
     process_weight: float = 1.0
     """prime: weight of the process rewards' returns."""
+    reward_components_BK: Tensor | None = None
+    """The K named components of each response's reward, `algorithm.reward_components` (gdpo only)."""
     gamma: float = 1.0
     lam: float = 1.0
     norm_by_std: bool = True
@@ -88,7 +111,7 @@ ADVANTAGE_ESTIMATORS: Registry[Callable[[AdvantageInputs], tuple[Tensor, Tensor]
 
 def register_estimator(name: str, *, needs_groups: bool = False, needs_greedy_baseline: bool = False,
                        needs_values: bool = False, needs_teacher: bool = False,
-                       needs_process_rewards: bool = False):
+                       needs_process_rewards: bool = False, needs_reward_components: bool = False):
     """Register an estimator with what it needs from the trainer, as attributes of the function, so
     that the trainer asks the estimator rather than branching on its name:
 
@@ -101,12 +124,15 @@ def register_estimator(name: str, *, needs_groups: bool = False, needs_greedy_ba
                            it needs teacher.path
     needs_process_rewards  its inputs include implicit process rewards (process_rewards_BR), which the
                            trainer's PRIME reward model gives
+    needs_reward_components  its inputs include the reward's named components (reward_components_BK):
+                           a run choosing it names them in algorithm.reward_components
     """
 
     def add(estimator):
         estimator.needs_groups, estimator.needs_greedy_baseline = needs_groups, needs_greedy_baseline
         estimator.needs_values, estimator.needs_teacher = needs_values, needs_teacher
-        estimator.needs_process_rewards = needs_process_rewards
+        estimator.needs_process_rewards, estimator.needs_reward_components = (needs_process_rewards,
+                                                                              needs_reward_components)
         return ADVANTAGE_ESTIMATORS.register(name)(estimator)
 
     return add
@@ -183,10 +209,8 @@ def gae(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     return masked_whiten(advantages_BR, mask_BR, inputs.sum_over_batch) * mask_BR, returns_BR
 
 
-@register_estimator("grpo", needs_groups=True)
-@torch.no_grad()
-def grpo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
-    scores_B = outcome_scores(inputs)
+def _group_normalised(scores_B: Tensor, inputs: AdvantageInputs) -> Tensor:
+    """grpo's (score - mean_G) / (std_G + eps) of each sample, the division skipped unless norm_by_std."""
     size_B, _, mean_B, std_B = _group_statistics(scores_B, inputs.group_ids_B)
     # A group of one has no baseline: mean 0 and std 1, as in verl.
     mean_B = torch.where(size_B > 1, mean_B, torch.zeros_like(mean_B))
@@ -194,7 +218,13 @@ def grpo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     advantages_B = scores_B - mean_B
     if inputs.norm_by_std:
         advantages_B = advantages_B / (std_B + inputs.epsilon)
-    return _broadcast(advantages_B, inputs.mask_BR)
+    return advantages_B
+
+
+@register_estimator("grpo", needs_groups=True)
+@torch.no_grad()
+def grpo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    return _broadcast(_group_normalised(outcome_scores(inputs), inputs), inputs.mask_BR)
 
 
 @register_estimator("drgrpo", needs_groups=True)
@@ -209,6 +239,59 @@ def rloo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     baseline_B, has_baseline_B = leave_one_out_means(scores_B, inputs.group_ids_B)
     advantages_B = torch.where(has_baseline_B, scores_B - baseline_B, torch.zeros_like(scores_B))
     return _broadcast(advantages_B, inputs.mask_BR)
+
+
+@register_estimator("grpo_passk", needs_groups=True)
+@torch.no_grad()
+def grpo_passk(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    scores_B = outcome_scores(inputs)
+    _, group_B = torch.unique(inputs.group_ids_B, return_inverse=True)
+    num_groups = int(group_B.max()) + 1 if group_B.numel() else 0
+    lowest_G = scores_B.new_full((num_groups,), -math.inf)
+    best_G = lowest_G.scatter_reduce(0, group_B, scores_B, "amax")
+    is_best_B = scores_B == best_G[group_B]
+    num_best_G = torch.zeros_like(best_G).index_add(0, group_B, is_best_B.to(scores_B.dtype))
+    runner_up_G = lowest_G.scatter_reduce(0, group_B, scores_B.masked_fill(is_best_B, -math.inf), "amax")
+    # Without sample i the group's best is unchanged, unless i was its only best: then the runner-up's.
+    sole_best_B = is_best_B & (num_best_G[group_B] == 1)
+    size_B, _, _, std_B = _group_statistics(scores_B, inputs.group_ids_B)
+    margin_B = torch.where(sole_best_B & (size_B > 1), best_G[group_B] - runner_up_G[group_B],
+                           torch.zeros_like(scores_B))
+    if inputs.norm_by_std:
+        margin_B = margin_B / (std_B + inputs.epsilon)
+    return _broadcast(margin_B, inputs.mask_BR)
+
+
+@register_estimator("opo", needs_groups=True)
+@torch.no_grad()
+def opo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    scores_B, lengths_B = outcome_scores(inputs), inputs.mask_BR.sum(dim=-1)
+    _, weighted_sum_B, _, _ = _group_statistics(lengths_B * scores_B, inputs.group_ids_B)
+    _, length_sum_B, _, _ = _group_statistics(lengths_B, inputs.group_ids_B)
+    # Responses without valid tokens carry no gradient; the clamp only keeps their group's baseline finite.
+    return _broadcast(scores_B - weighted_sum_B / length_sum_B.clamp(min=1), inputs.mask_BR)
+
+
+@register_estimator("reinforce_plus_plus_baseline", needs_groups=True)
+@torch.no_grad()
+def reinforce_plus_plus_baseline(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    scores_B = outcome_scores(inputs)
+    _, _, mean_B, _ = _group_statistics(scores_B, inputs.group_ids_B)
+    advantages_BR, _ = _broadcast(scores_B - mean_B, inputs.mask_BR)
+    advantages_BR = masked_whiten(advantages_BR, inputs.mask_BR, inputs.sum_over_batch) * inputs.mask_BR
+    return advantages_BR, advantages_BR
+
+
+@register_estimator("gdpo", needs_groups=True, needs_reward_components=True)
+@torch.no_grad()
+def gdpo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    if inputs.reward_components_BK is None:
+        raise ValueError("advantage estimator 'gdpo' needs reward_components_BK (algorithm.reward_components)")
+    components_BK = inputs.reward_components_BK
+    summed_B = sum(_group_normalised(components_BK[:, k], inputs) for k in range(components_BK.shape[1]))
+    advantages_BR, _ = _broadcast(summed_B, inputs.mask_BR)
+    advantages_BR = masked_whiten(advantages_BR, inputs.mask_BR, inputs.sum_over_batch) * inputs.mask_BR
+    return advantages_BR, advantages_BR
 
 
 @register_estimator("reinforce_plus_plus")

@@ -436,7 +436,7 @@ class KLControlConfig:
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Registered advantage estimator: gae, grpo, drgrpo, rloo, reinforce_plus_plus, remax, opd (needs teacher),
-    prime."""
+    prime, grpo_passk, opo, reinforce_plus_plus_baseline, gdpo (needs reward_components)."""
 
     gamma: float = 1.0
     """Discount factor."""
@@ -445,7 +445,11 @@ class AlgorithmConfig:
     """GAE lambda."""
 
     norm_adv_by_std: bool = True
-    """GRPO: divide by the group std (false gives Dr. GRPO's normalisation)."""
+    """GRPO (and grpo_passk, gdpo): divide by the group std (false gives Dr. GRPO's normalisation)."""
+
+    reward_components: list[str] = field(default_factory=list)
+    """gdpo: numeric keys of the reward function's dict, beside 'score', that are the reward's components;
+    each is normalised within its group separately before they are summed (logged as reward/<key>)."""
 
     use_kl_in_reward: bool = False
     """Subtract kl_ctrl.coef * KL(actor || reference) from the token rewards."""

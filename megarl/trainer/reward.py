@@ -1,5 +1,6 @@
 """The reward phase's pure steps from scored rollouts to the batch's sequence rewards: the reward model's
-score and the overlong penalty. Plain tensors, so that their effect on a batch is testable without a launch.
+score, the overlong penalty, and the reward's named components. Plain tensors, so that their effect on a
+batch is testable without a launch.
 """
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from megarl.algorithms import overlong_penalty
+from megarl.rewards.manager import RewardFunctionError
 
 
 def reward_model_scores(values_BR: torch.Tensor, response_lengths_B: torch.Tensor) -> torch.Tensor:
@@ -22,3 +24,16 @@ def sequence_rewards(scores_B: torch.Tensor, response_lengths_B: torch.Tensor, m
         return scores_B
     return scores_B + overlong_penalty(response_lengths_B, max_response_length, overlong_buffer_length,
                                        overlong_penalty_factor)
+
+
+def reward_components(score_extras: dict[str, list[float]], names: list[str]) -> torch.Tensor | None:
+    """The named components of each sequence's reward (`algorithm.reward_components`), (B, K) in the order
+    named; None when none are named. A response whose reward call failed or left a component out counts 0
+    for it, as a failed call's score does."""
+    if not names:
+        return None
+    missing = [name for name in names if name not in score_extras]
+    if missing:
+        raise RewardFunctionError(f"the reward function returned no {missing[0]!r} (algorithm.reward_components) for "
+                                  f"any response of the step; its numeric keys beside 'score': {sorted(score_extras)}")
+    return torch.tensor([score_extras[name] for name in names], dtype=torch.float32).T.nan_to_num(0.0)

@@ -50,7 +50,7 @@ from megarl.trainer.metrics import (
     update_metrics,
 )
 from megarl.trainer.prime import ImplicitPRM
-from megarl.trainer.reward import reward_model_scores, sequence_rewards
+from megarl.trainer.reward import reward_components, reward_model_scores, sequence_rewards
 from megarl.trainer.shares import sum_over_shares, take_share
 from megarl.trainer.startup import Run
 from megarl.trainer.teacher import distillation_stats, teacher_engine_config
@@ -207,7 +207,8 @@ class RLTrainer:
                                                        seed, step, stats)
         with timer("advantage"):
             baseline_B = made.greedy_baseline_B[share.indices] if made.greedy_baseline_B is not None else None
-            self._advantages(batch, group_ids_B, token_rewards_BR, baseline_B, stats)
+            components_BK = reward_components(local.score_extras, self.config.algorithm.reward_components)
+            self._advantages(batch, group_ids_B, token_rewards_BR, baseline_B, components_BK, stats)
         with timer("update_actor"):
             loss = actor_loss(self.config.actor, self.config.data.max_response_length)
             actor_history, kept = self.actor.update(batch, group_ids_B, num_groups, loss, seed, step,
@@ -252,7 +253,7 @@ class RLTrainer:
         return scores_B, token_rewards_BR
 
     def _advantages(self, batch, group_ids_B: torch.Tensor, token_rewards_BR: torch.Tensor,
-                    baseline_B: torch.Tensor | None, stats: ShareStats) -> None:
+                    baseline_B: torch.Tensor | None, components_BK: torch.Tensor | None, stats: ShareStats) -> None:
         """Advantages and returns of the share (whole groups, so group estimators need nothing else)."""
         algorithm, tensors = self.config.algorithm, batch.response_tensors
         mask_BR = batch.response_mask_BR
@@ -264,7 +265,7 @@ class RLTrainer:
             student_logprobs_BR=tensors.old_logprobs_BR, teacher_logprobs_BR=tensors.teacher_logprobs_BR,
             task_reward_weight=self.config.teacher.task_reward_weight,
             process_rewards_BR=tensors.process_rewards_BR, outcome_weight=self.config.prime.outcome_weight,
-            process_weight=self.config.prime.process_weight,
+            process_weight=self.config.prime.process_weight, reward_components_BK=components_BK,
             norm_by_std=algorithm.norm_adv_by_std, sum_over_batch=lambda sums: sum_over_shares(sums, self.layout),
         ))
         tensors.advantages_BR, tensors.returns_BR = advantages_BR * mask_BR, returns_BR * mask_BR

@@ -124,6 +124,29 @@ def check_estimator_needs(config: RunConfig) -> None:
     if teacher and not estimator.needs_teacher:
         raise ConfigError(f"config key 'teacher.path' = {teacher!r} is set but algorithm.adv_estimator={name!r} "
                           "uses no teacher; expected an estimator that does (opd) or an empty teacher.path")
+    check_reward_components(config, name, estimator.needs_reward_components)
+
+
+def check_reward_components(config: RunConfig, name: str, needed: bool) -> None:
+    """An estimator built from the reward's components (gdpo) has them named, and nothing else of the reward
+    that it would leave out; no other estimator is given components it would ignore."""
+    components = config.algorithm.reward_components
+    if needed and not components:
+        raise ConfigError(f"config key 'algorithm.reward_components' is empty: algorithm.adv_estimator={name!r} "
+                          "normalises each reward component separately; expected the numeric keys of the reward "
+                          "function's dict beside 'score', e.g. [correct, format]")
+    if components and not needed:
+        raise ConfigError(f"config key 'algorithm.reward_components' = {list(components)} is set but "
+                          f"algorithm.adv_estimator={name!r} uses no components; expected an estimator that does "
+                          "(gdpo) or an empty list")
+    left_out = (("algorithm.use_kl_in_reward", config.algorithm.use_kl_in_reward),
+                ("reward.reward_model_path", config.reward.reward_model_path),
+                ("algorithm.overlong_buffer_length", config.algorithm.overlong_buffer_length))
+    for key, value in left_out if needed else ():
+        if value:
+            raise ConfigError(f"config key '{key}' = {value!r}: algorithm.adv_estimator={name!r} takes its "
+                              "advantages from algorithm.reward_components alone, which leave this out; expected "
+                              "it off (a KL penalty can be actor.use_kl_loss)")
 
 
 def start_run(argv: Sequence[str], rl: bool) -> Run:
