@@ -188,7 +188,11 @@ class ActorConfig(EngineConfig, ParallelConfig):
     """The policy being trained; its parallel sizes sit directly on it (`actor.tp=2`)."""
 
     policy_loss: str = "vanilla"
-    """Registered policy loss (megarl.algorithms.POLICY_LOSSES): vanilla (PPO clip), gspo."""
+    """Registered policy loss (megarl.algorithms.POLICY_LOSSES, docs/algorithms.md): vanilla (PPO clip),
+    gspo, cispo, sapo, gmpo, dppo_tv, dppo_kl, clip_cov, kl_cov, gpg, dro. cispo clips its stop-gradient
+    weight with clip_ratio_low/high (the paper: clip_ratio_low >= 1, no lower bound); gmpo reads them as
+    bounds of the log ratio (the paper: 0.4); dppo_tv/dppo_kl as divergence thresholds (0.15 / 0.05) and
+    clip_ratio_c as the cap of the importance weight (0: none)."""
 
     clip_ratio_low: float = 0.2
     """Lower clip range of the importance ratio: 1 - clip_ratio_low."""
@@ -198,6 +202,31 @@ class ActorConfig(EngineConfig, ParallelConfig):
 
     clip_ratio_c: float = 3.0
     """Dual-clip bound for negative advantages (0 disables dual clip)."""
+
+    tau_pos: float = 1.0
+    """sapo: temperature of the soft gate for positive advantages (the paper: 1.0)."""
+
+    tau_neg: float = 1.05
+    """sapo: temperature of the soft gate for other advantages; larger decays faster (the paper: 1.05)."""
+
+    clip_cov_ratio: float = 2e-4
+    """clip_cov: share of a micro-batch's valid tokens whose loss is dropped (at least one)."""
+
+    clip_cov_lb: float = 1.0
+    """clip_cov: only tokens whose log-prob/advantage covariance exceeds this are dropped."""
+
+    clip_cov_ub: float = 5.0
+    """clip_cov: only tokens whose log-prob/advantage covariance is below this are dropped."""
+
+    kl_cov_ratio: float = 2e-4
+    """kl_cov: share of a micro-batch's valid tokens, those of largest covariance, that pay the KL
+    penalty (at least one)."""
+
+    ppo_kl_coef: float = 1.0
+    """kl_cov: weight of the |logp - old_logp| penalty on those tokens."""
+
+    dro_beta: float = 0.05
+    """dro: weight beta of the quadratic log-ratio penalty (beta / 2) (logp - old_logp)^2; > 0."""
 
     loss_agg_mode: str = "token-mean"
     """token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm (Dr. GRPO)."""

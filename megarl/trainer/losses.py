@@ -33,7 +33,12 @@ def _as_contribution(value: torch.Tensor, micro_batch: SequenceBatch, normalizer
 def actor_loss(config: ActorConfig, max_response_length: int) -> LossFn:
     policy_loss = POLICY_LOSSES.get(config.policy_loss)
     kl_estimator = KL_ESTIMATORS.get(config.kl_loss_type)
-    params = PolicyLossParams(config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_c or None)
+    params = PolicyLossParams(
+        clip_ratio_low=config.clip_ratio_low, clip_ratio_high=config.clip_ratio_high,
+        clip_ratio_c=config.clip_ratio_c or None, tau_pos=config.tau_pos, tau_neg=config.tau_neg,
+        clip_cov_ratio=config.clip_cov_ratio, clip_cov_lb=config.clip_cov_lb, clip_cov_ub=config.clip_cov_ub,
+        kl_cov_ratio=config.kl_cov_ratio, ppo_kl_coef=config.ppo_kl_coef, dro_beta=config.dro_beta,
+    )
 
     def loss_fn(outputs: dict, micro_batch: SequenceBatch, normalizer: LossNormalizer):
         tensors = micro_batch.response_tensors.map(lambda tensor_BR: tensor_BR.to(outputs["logprobs"].device))

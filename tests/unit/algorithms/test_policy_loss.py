@@ -115,5 +115,5 @@ def test_gspo_gradient_is_the_sequence_ratio_spread_over_tokens():
 
 
 def test_unknown_policy_loss_lists_the_registered_ones():
-    with pytest.raises(ValueError, match="gspo, vanilla"):
+    with pytest.raises(ValueError, match="gspo, kl_cov, sapo, vanilla"):
         POLICY_LOSSES.get("ppo")
