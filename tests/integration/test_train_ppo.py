@@ -1,7 +1,7 @@
 """The real launchers for a few steps: PPO with a critic at TP2xPP2xDP2 against TP1, multi-turn GRPO with a
 KL loss at DP2 and at PP2 (actor.pp=2) against DP1, on-policy distillation at PP2, multi-turn PRIME at TP2
-(actor and rollout engine). (PPO with a critic at TP2 and its validation, curves and config in mlflow:
-test_checkpoint_resume.py's uninterrupted runs.)
+(actor and rollout engine), gdpo on a user reward of two named components at DP2. (PPO with a critic at TP2
+and its validation, curves and config in mlflow: test_checkpoint_resume.py's uninterrupted runs.)
 
 Each run logs to a local mlflow store, which the test reads back with mlflow's own client.
 """
@@ -188,6 +188,25 @@ def test_remax_baseline_is_the_greedy_reward(tiny_models, tmp_path):
     validated = dict(_history(run, "quickstart_grpo", "val/score/mean"))[0]
     assert _values(run, "quickstart_grpo", "reward/greedy_baseline_mean") == [pytest.approx(validated)]
     assert 0 < validated < 1
+
+
+def test_gdpo_trains_on_two_named_reward_components_at_dp2(tiny_models, arithmetic, tmp_path):
+    reward = f"{ROOT / 'tests/integration/user_reward_components.py'}:compute_score"
+    result = torchrun(2, ROOT / "launchers/train_ppo.py", "--config", "configs/quickstart.yaml",
+                      *_overrides(tiny_models["qwen2-tied"], arithmetic, tmp_path, "rollout.backend=hf",
+                                  "algorithm.adv_estimator=gdpo", "algorithm.reward_components=[parity,brevity]",
+                                  f"reward.function={reward}", "trainer.total_steps=3"),
+                      timeout=600)
+    assert_succeeded(result)
+    run = tmp_path / "quickstart_grpo"
+    for metric in ("reward/parity", "reward/brevity", "advantages/mean", "actor/pg_loss"):
+        assert _logged(run, "quickstart_grpo", metric) == [1, 2, 3], metric
+    # Each step's score is the sum of its components' means; the advantages are whitened over the whole
+    # batch's tokens (both DP shares' sums), so their token mean is 0.
+    for total, parity, brevity in zip(*(_values(run, "quickstart_grpo", m)
+                                        for m in ("reward/mean", "reward/parity", "reward/brevity"))):
+        assert total == pytest.approx(parity + brevity, rel=1e-5)
+    assert _values(run, "quickstart_grpo", "advantages/mean") == pytest.approx([0.0] * 3, abs=1e-5)
 
 
 def test_opd_at_pp2_with_the_student_as_teacher_has_zero_kl(tiny_models, arithmetic, tmp_path):
