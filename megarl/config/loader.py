@@ -33,6 +33,7 @@ from megarl.config.schema import (
     RunConfig,
 )
 from megarl.messages import one_line
+from megarl.models.lora import TARGETS as LORA_TARGETS
 
 
 class ConfigError(ValueError):
@@ -302,6 +303,15 @@ def _check_engine(section: str, engine: EngineConfig) -> None:
     _check_choice(f"{section}.optim.lr_decay_style", engine.optim.lr_decay_style, LR_DECAY_STYLES)
     _check_at_least(f"{section}.optim.lr_warmup_steps", engine.optim.lr_warmup_steps, 0)
     _check_at_least(f"{section}.grad_bucket_size", engine.grad_bucket_size, 0)
+    lora = engine.lora
+    _check_at_least(f"{section}.lora.rank", lora.rank, 0)
+    for target in lora.target_modules:
+        _check_choice(f"{section}.lora.target_modules", target, LORA_TARGETS)
+    if lora.rank and not lora.target_modules:
+        raise ConfigError(f"config key '{section}.lora.target_modules' is empty with {section}.lora.rank = "
+                          f"{lora.rank}; allowed: some of {', '.join(LORA_TARGETS)}")
+    if lora.dropout < 0 or lora.dropout >= 1:
+        raise ConfigError(f"config key '{section}.lora.dropout' = {lora.dropout} is out of range; allowed: [0, 1)")
 
 
 def _check_shared_prompts(config: RunConfig) -> None:

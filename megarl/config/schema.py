@@ -123,12 +123,39 @@ class OptimizerConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters (Hu et al. 2021) on the model's linear layers: the base weights stay frozen, the optimizer
+    holds the adapters alone, and the actor's reference model is its own base (the adapters off)."""
+
+    rank: int = 0
+    """Adapter rank r; 0: no adapters, every weight trains."""
+
+    alpha: float = 16.0
+    """Scale: an adapter adds (alpha / rank) B A x."""
+
+    dropout: float = 0.0
+    """Dropout on the adapters' input (PEFT's lora_dropout)."""
+
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                "up_proj", "down_proj"])
+    """The HF projections that get adapters, of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj
+    (mixture-of-experts models: the attention's)."""
+
+    adapter_path: str = ""
+    """A PEFT adapter directory (adapter_config.json, adapter_model.safetensors) to start from, of this rank,
+    alpha and targets; empty: new adapters (B = 0: training starts at the base model)."""
+
+
+@dataclass
 class EngineConfig:
     """A Megatron model that is scored and trained (actor, critic); all models share the actor's
     parallel layout (megatron-core keeps one layout per process)."""
 
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Optimizer and learning-rate schedule."""
+
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Train LoRA adapters instead of the whole model (`lora.rank` > 0)."""
 
     ppo_mini_batch_size: int = 8
     """Prompts per optimizer step; each contributes its n sampled responses."""

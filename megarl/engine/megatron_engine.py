@@ -38,7 +38,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megarl.kernels.vocab_parallel_logprobs import logprobs_and_entropy
-from megarl.config.schema import EngineConfig, ModelConfig
+from megarl.config.schema import EngineConfig, LoRAConfig, ModelConfig
 from megarl import device
 from megarl.distributed import collectives
 from megarl.distributed.layout import ParallelLayout
@@ -57,6 +57,8 @@ from megarl.engine.router_replay import RoutingReplay
 from megarl.engine.routing_stats import RoutingStats
 from megarl.models.builder import MoESettings, ScheduleSettings, resolve_layer_spec
 from megarl.models.hf_interop import load_hf_model
+from megarl.models.lora import LoRAAdapter, LoRASettings, adapters_disabled, apply_lora
+from megarl.models.peft_adapter import load_peft
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,9 @@ class MegatronEngine:
             value_head=value_head, schedule=schedule, moe=MoESettings(**asdict(model_config.moe)),
         )
         self.model = self.module
+        self.adapters: list[LoRAAdapter] = []
+        if trainable and config.lora.rank:
+            self.adapters = self._adapt(config.lora)
         self.packed = layer_spec == "transformer_engine"
         # Sequence parallelism splits each micro-batch's tokens over the TP ranks.
         self.sequence_multiple = layout.tp if self.module.config.sequence_parallel else 1
@@ -148,6 +153,15 @@ class MegatronEngine:
                     self.routing.routers, router_replay, recomputes=config.recompute_activations,
                     sequence_parallel_rank=layout.tp_rank, sequence_parallel_size=self.sequence_multiple)
         self.memory = MemoryPhases(self.model, self.optimizer)
+
+    def _adapt(self, lora: LoRAConfig) -> list[LoRAAdapter]:
+        """LoRA adapters on the targeted linears (from `lora.adapter_path` when set), everything else frozen:
+        only the adapters get gradient buffers and optimizer state (`_make_trainable` comes after)."""
+        settings = LoRASettings(lora.rank, lora.alpha, lora.dropout, tuple(lora.target_modules))
+        adapters = apply_lora(self.module, self.arch, settings)
+        if lora.adapter_path:
+            load_peft(adapters, settings, lora.adapter_path)
+        return adapters
 
     def _positioned_rope(self, model_path: str) -> PositionedRope:
         """Per-token RoPE positions for the shared-prompt layout, which needs an arbitrary attention
@@ -440,6 +454,17 @@ class MegatronEngine:
                 if kept is not None:
                     outputs = kept  # the one mini-batch holds the whole share, in batch order
         return history, outputs
+
+
+class BaseModel:
+    """A LoRA engine's frozen base model, its adapters off: the reference model, at no memory of its own."""
+
+    def __init__(self, engine: MegatronEngine):
+        self.engine, self.config, self.memory = engine, engine.config, engine.memory
+
+    def score(self, batch: SequenceBatch, temperature: float = 1.0) -> dict[str, torch.Tensor]:
+        with adapters_disabled(self.engine.module):
+            return self.engine.score(batch, temperature)
 
 
 def _finalize_without_token_scaling(model, num_tokens=None, pg_collection=None, **kwargs):

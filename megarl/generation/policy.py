@@ -15,7 +15,9 @@ wake-up first has PyTorch's allocator hand back the blocks it caches (`_wake`).
 
 A sync is skipped when the engine still holds the weights of the current `weights_version` (the
 training weights change only by an optimizer step or a checkpoint load): a validation's sync serves
-the next step's rollout too, if the validation left the engine asleep with its weights kept.
+the next step's rollout too, if the validation left the engine asleep with its weights kept. With LoRA
+the engine keeps its weights asleep, and a sync after the first sends only the adapted linears' weights,
+merged (`WeightSync.changing`): the base weights never change.
 """
 
 from __future__ import annotations
@@ -63,8 +65,10 @@ class RolloutPolicy:
             self._wake(("weights",))
             version, sync = self.weights_version(), None
             if version != self.engine_version:
+                # LoRA: an engine that holds some version gets only the adapted linears (merged) again.
+                names = self.sync.changing if self.engine_version is not None else None
                 self.engine_version = None  # until the sync succeeds
-                sync = self.sync.sync(step)
+                sync = self.sync.sync(step, names)
                 self.engine_version = version
         with timer("offload"):
             if self.policy_memory in self.offload:
@@ -81,7 +85,9 @@ class RolloutPolicy:
 
     def leave_rollout(self, timer: PhaseTimer, keep_weights: bool = False) -> None:
         """`keep_weights`: the engine keeps its weights while asleep (on GPU in host memory), so that
-        the next rollout reuses them if no optimizer step came in between."""
+        the next rollout reuses them if no optimizer step came in between. A LoRA policy's engine always keeps
+        them: the next sync sends the adapted linears alone."""
+        keep_weights = keep_weights or self.sync.changing is not None
         with timer("reload"):
             self.engine.sleep(keep_weights)
             if not keep_weights:

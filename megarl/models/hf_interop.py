@@ -30,6 +30,7 @@ from megarl.models.state_dict_adapter import (
     mapped_tensors,
     merge_shards,
     param_mappings,
+    served_tensors,
     tp_split,
 )
 
@@ -88,8 +89,9 @@ def load_hf_weights(model: torch.nn.Module, arch: Architecture, layout: Parallel
 
 @torch.no_grad()
 def gather_hf_state_dict(model: torch.nn.Module, arch: Architecture, layout: ParallelLayout) -> dict[str, torch.Tensor]:
-    """This pipeline stage's weights under HF names (complete on every rank of the stage)."""
-    params = mapped_tensors(model, arch)
+    """This pipeline stage's weights under HF names (complete on every rank of the stage); LoRA adapters merged
+    into their linears' weights."""
+    params = served_tensors(model, arch)
     # The same parameters as each EP rank names them: its own experts.
     named_by_ep_rank = [param_mappings(model, arch, ep_rank) for ep_rank in range(layout.ep)]
     hf_tensors = {}

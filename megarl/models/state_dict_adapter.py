@@ -34,6 +34,7 @@ from typing import Callable, Sequence
 import torch
 
 from megarl.models.architecture import Architecture
+from megarl.models.lora import is_adapter_parameter, merged_weights
 
 # megatron suffix within `decoder.layers.<i>.` -> (kind, HF suffixes within `model.layers.<i>.`).
 # Both the local spec's names and Transformer Engine's fused-norm names are listed.
@@ -118,13 +119,20 @@ def tp_split(mapping: ParamMapping, layout) -> tuple[int, int]:
 
 
 def mapped_tensors(model: torch.nn.Module, arch: Architecture) -> dict[str, torch.Tensor]:
-    """The tensors of this rank's model stage that have HF counterparts: its parameters, and the
+    """The tensors of this rank's model stage that have HF counterparts: its parameters (LoRA adapters'
+    are not: `served_tensors` merges them into their linears' weights), and the
     routers' correction biases of an architecture whose checkpoints carry them (buffers: moved by
     aux-loss-free balancing, not by the optimizer)."""
-    tensors = dict(model.named_parameters())
+    tensors = {name: parameter for name, parameter in model.named_parameters() if not is_adapter_parameter(name)}
     if arch.router_bias:
         tensors.update((name, buffer) for name, buffer in model.named_buffers() if name.endswith(".router.expert_bias"))
     return tensors
+
+
+def served_tensors(model: torch.nn.Module, arch: Architecture) -> dict[str, torch.Tensor]:
+    """`mapped_tensors` as the rollout engine serves them: each LoRA-adapted linear's weight merged with its
+    adapter (W + (alpha / r) B A, computed now); the others as they are."""
+    return {**mapped_tensors(model, arch), **merged_weights(model)}
 
 
 def param_mappings(model: torch.nn.Module, arch: Architecture, ep_rank: int | None = None) -> list[ParamMapping]:

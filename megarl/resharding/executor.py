@@ -36,7 +36,8 @@ import torch.distributed as dist
 from megarl.distributed import collectives
 from megarl.distributed.layout import ParallelLayout
 from megarl.models.architecture import Architecture
-from megarl.models.state_dict_adapter import mapped_tensors, param_mappings, shard_pieces, tp_split
+from megarl.models.lora import adapters_of
+from megarl.models.state_dict_adapter import mapped_tensors, param_mappings, served_tensors, shard_pieces, tp_split
 from megarl.resharding.engine_layout import engine_needs
 from megarl.resharding.plan import Need, Plan, SourcePiece, Transfer, plan_for_rank
 from megarl.resharding.tensor_shard import TensorShard
@@ -167,7 +168,7 @@ def gather_replica(described, groups: list[dist.ProcessGroup]) -> list:
 class WeightSync:
     def __init__(self, module: torch.nn.Module, arch: Architecture, layout: ParallelLayout,
                  engine: RolloutEngine, engine_tp: int, bucket_bytes: int):
-        self.engine = engine
+        self.engine, self.module, self.arch = engine, module, arch
         self.rank = layout.rank
         itemsize = next(module.parameters()).element_size()
         self.params = mapped_tensors(module, arch)
@@ -214,13 +215,21 @@ class WeightSync:
         self.bucket_transfers: list[list[Transfer]] = [[] for _ in self.buckets]
         for t in sorted(self.plan.transfers, key=lambda t: (t.hf_name, t.src, t.dst, t.start)):
             self.bucket_transfers[bucket_of[t.hf_name]].append(t)
+        adapted = {f"{name}.weight" for name in adapters_of(module)}
+        changing = {hf_name for mapping in param_mappings(module, arch) if mapping.megatron_name in adapted
+                    for hf_name in mapping.hf_names}
+        changing = set().union(*collectives.all_gather_object(changing))
+        self.changing: frozenset[str] | None = frozenset(changing) if changing else None
+        """LoRA: the HF tensors whose weights training changes (the adapted linears', merged), on any rank; an
+        engine that kept the others needs only these (`sync(names=...)`). None: every tensor changes."""
 
     def _shard_slice(self, transfer: Transfer) -> torch.Tensor:
         return transfer.of_shard(self.params[transfer.megatron_name].detach())
 
     @torch.no_grad()
-    def sync(self, step: int) -> SyncStats:
-        """Load the current training weights into the engine; all ranks call this together.
+    def sync(self, step: int, names: Collection[str] | None = None) -> SyncStats:
+        """Load the current training weights into the engine, of the HF tensors `names` (every one when None:
+        the engine holds none yet, or dropped them); all ranks call this together with the same `names`.
 
         Where this rank holds every slice its engine needs and the engine's last load was a copy into
         places it names, the slices are copied into those places: no buckets, no loader. Otherwise
@@ -230,13 +239,14 @@ class WeightSync:
         every rank in bucket order because every engine consumes the whole iterator in order."""
         start_time = time.perf_counter()
         progress = _SyncProgress()
+        self.params = served_tensors(self.module, self.arch)  # LoRA: the adapters merged as they are now
         self.engine.begin_weight_update(step)
         places = self.engine.weight_places() if self.local else None
         try:
             if places is None:
-                self.engine.load_weights(self._buckets_in(progress))
+                self.engine.load_weights(self._buckets_in(progress, names))
             else:
-                self._copy_into(places, progress)
+                self._copy_into(places, progress, names)
         except Exception as error:
             names = progress.bucket or ["(before the first bucket)"]
             raise RuntimeError(
@@ -247,15 +257,23 @@ class WeightSync:
         self.engine.end_weight_update()
         end_seconds = time.perf_counter() - load_start
         load_seconds = load_start - start_time - progress.transfer_seconds + end_seconds
+        lower_bound = self.lower_bound if names is None else self.plan.lower_bound(self.rank, names)
         return SyncStats(time.perf_counter() - start_time, load_seconds, progress.received, progress.sent,
-                         self.lower_bound, progress.peak)
+                         lower_bound, progress.peak)
 
-    def _copy_into(self, places: dict[str, torch.Tensor | None], progress: _SyncProgress) -> None:
-        """Every slice this rank holds for itself, copied straight into its place in the engine, in one
-        call. The pairs of views are made once: for the same places, and training shards at the same
+    def _copy_into(self, places: dict[str, torch.Tensor | None], progress: _SyncProgress,
+                   names: Collection[str] | None) -> None:
+        """Every slice this rank holds for itself (of `names`), copied straight into its place in the engine, in
+        one call. The pairs of views are made once: for the same places, and training shards at the same
         addresses (an offload frees and restores their storages in place), they are the same views."""
         progress.bucket = ["(every tensor, into the engine's places)"]
         start = time.perf_counter()
+        if names is not None:  # LoRA's merged weights: made anew every sync, copied into their places
+            pairs = [(t.in_engine_shard(places[t.hf_name], self.needs[t.hf_name]), self._shard_slice(t))
+                     for t in self.plan.transfers if t.hf_name in names and places[t.hf_name] is not None]
+            torch._foreach_copy_([target for target, _ in pairs], [piece for _, piece in pairs])
+            progress.transfer_seconds = time.perf_counter() - start
+            return
         addresses = [p.data_ptr() for p in self.params.values()]
         if self._copies is None or self._copies.places is not places or self._copies.addresses != addresses:
             targets, slices = [], []
@@ -268,9 +286,14 @@ class WeightSync:
         torch._foreach_copy_(self._copies.targets, self._copies.slices)
         progress.transfer_seconds = time.perf_counter() - start
 
-    def _buckets_in(self, progress: _SyncProgress) -> Iterator[tuple[str, torch.Tensor]]:
-        """This rank's engine shards, bucket by bucket; a bucket is freed before the next one arrives."""
+    def _buckets_in(self, progress: _SyncProgress, only: Collection[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's engine shards (of the HF tensors `only`), bucket by bucket; a bucket is freed before the next
+        one arrives."""
         for names, transfers in zip(self.buckets, self.bucket_transfers):
+            if only is not None:
+                names, transfers = [n for n in names if n in only], [t for t in transfers if t.hf_name in only]
+                if not names:
+                    continue
             transfer_start = time.perf_counter()
             progress.bucket = names
             tensors = self._receive_bucket(transfers, progress)

@@ -91,16 +91,19 @@ class Plan:
         return sum(self.slice_bytes(t.hf_name, t.dim, t.start, t.stop) for t in self.transfers
                    if t.src == rank and t.dst != rank)
 
-    def bytes_needed(self, rank: int) -> int:
-        return sum(self.slice_bytes(n.hf_name, n.dim, n.start, n.stop) for n in self.needs if n.rank == rank)
+    def bytes_needed(self, rank: int, names: Collection[str] | None = None) -> int:
+        """Bytes of `rank`'s needs (of the HF tensors `names`; every one when None)."""
+        return sum(self.slice_bytes(n.hf_name, n.dim, n.start, n.stop) for n in self.needs
+                   if n.rank == rank and (names is None or n.hf_name in names))
 
-    def bytes_held(self, rank: int) -> int:
+    def bytes_held(self, rank: int, names: Collection[str] | None = None) -> int:
         """Bytes of `rank`'s needs that it already holds (local copies)."""
         return sum(self.slice_bytes(t.hf_name, t.dim, t.start, t.stop) for t in self.transfers
-                   if t.dst == rank and t.src == rank)
+                   if t.dst == rank and t.src == rank and (names is None or t.hf_name in names))
 
-    def lower_bound(self, rank: int) -> int:
-        return self.bytes_needed(rank) - self.bytes_held(rank)
+    def lower_bound(self, rank: int, names: Collection[str] | None = None) -> int:
+        """The bytes `rank` must receive for its needs of `names` (every HF tensor when None)."""
+        return self.bytes_needed(rank, names) - self.bytes_held(rank, names)
 
     def lent(self, rank: int) -> set[str]:
         """The HF tensors of which `rank` holds its whole need in one piece of one shard: handed to the

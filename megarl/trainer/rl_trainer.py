@@ -31,7 +31,7 @@ from megarl.algorithms import (
 from megarl.checkpoint import Checkpointer
 from megarl.config.schema import EngineConfig
 from megarl.distributed.process import freeze_start_up_objects
-from megarl.engine.megatron_engine import MegatronEngine
+from megarl.engine.megatron_engine import BaseModel, MegatronEngine
 from megarl.engine.memory import MemoryPhases
 from megarl.generation.inputs import RunInputs
 from megarl.placement import make_placement
@@ -76,8 +76,9 @@ class RLTrainer:
         self.estimator = ADVANTAGE_ESTIMATORS.get(config.algorithm.adv_estimator)
         run.save_config()
         self.actor = self._engine(config.actor, trainable=True, router_replay=config.actor.router_replay)
-        uses_reference = config.actor.use_kl_loss or config.algorithm.use_kl_in_reward
-        self.reference = self._engine(config.actor, trainable=False) if uses_reference else None
+        self.reference = None
+        if config.actor.use_kl_loss or config.algorithm.use_kl_in_reward:  # LoRA: the actor's own base
+            self.reference = BaseModel(self.actor) if self.actor.adapters else self._engine(config.actor, False)
         self.critic = None
         if config.critic.enable:
             self.critic = self._engine(config.critic, trainable=True, path=config.critic.path or None, value=True)
@@ -136,8 +137,8 @@ class RLTrainer:
         reference and the teacher follow `actor.offload`; the PRM's reference is the run's or follows
         `prime.offload`)."""
         prm = (self.prm.engine, self.prm.reference) if self.prm is not None else ()
-        return [engine.memory for engine in dict.fromkeys((self.actor, self.reference, self.critic, self.teacher, *prm))
-                if engine is not None and engine.config.offload]
+        models = (self.actor, self.reference, self.critic, self.teacher, *prm)
+        return list(dict.fromkeys(model.memory for model in models if model is not None and model.config.offload))
 
     # ---- the loop ---------------------------------------------------------------------------------
 

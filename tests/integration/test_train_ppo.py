@@ -1,7 +1,8 @@
 """The real launchers for a few steps: PPO with a critic at TP2xPP2xDP2 against TP1, multi-turn GRPO with a
 KL loss at DP2 and at PP2 (actor.pp=2) against DP1, on-policy distillation at PP2, multi-turn PRIME at TP2
-(actor and rollout engine), gdpo on a user reward of two named components at DP2. (PPO with a critic at TP2
-and its validation, curves and config in mlflow: test_checkpoint_resume.py's uninterrupted runs.)
+(actor and rollout engine), gdpo on a user reward of two named components at DP2, GRPO with LoRA at TP2.
+(PPO with a critic at TP2 and its validation, curves and config in mlflow: test_checkpoint_resume.py's
+uninterrupted runs.)
 
 Each run logs to a local mlflow store, which the test reads back with mlflow's own client.
 """
@@ -15,6 +16,7 @@ import sys
 
 import mlflow
 import pytest
+from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from megarl.data.synthetic import make_arithmetic
@@ -271,3 +273,30 @@ def test_unreadable_parquet_names_the_file(tiny_models, arithmetic, tmp_path):
     assert result.returncode != 0
     message = result.stderr.strip().splitlines()[-1]
     assert message.startswith("megarl: ") and str(broken) in message
+
+
+def test_grpo_with_lora_syncs_the_merged_adapted_linears_and_its_reference_is_the_base(tiny_models, arithmetic,
+                                                                                        tmp_path):
+    # LoRA (rank 8, every projection) at TP2 with a KL loss against the reference model, which is the actor with
+    # its adapters off: at step 1, before any update, the adapters add zero (B = 0), so the KL is exactly 0; after
+    # updates it is not. The engines (TP1) keep the base weights; after the first sync (the validation before
+    # training) each sync sends W + (alpha / r) B A of the adapted linears alone: each engine rank receives the
+    # other TP rank's half of them (their bytes read from the checkpoint here), the lower bound, and its log-probs
+    # match the trainer's.
+    model = tiny_models["qwen2-untied"]
+    result = torchrun(2, ROOT / "launchers/train_ppo.py", "--config", "configs/quickstart.yaml",
+                      *_overrides(model, arithmetic, tmp_path, "rollout.backend=hf", "actor.tp=2", "actor.lora.rank=8",
+                                  "actor.use_kl_loss=true", "actor.ppo_mini_batch_size=4", "actor.optim.lr=1e-2",
+                                  "trainer.total_steps=3", f"reward.function={USER_REWARD}"),
+                      timeout=600)
+    assert_succeeded(result)
+    run = tmp_path / "quickstart_grpo"
+    kl = _values(run, "quickstart_grpo", "actor/kl_loss")
+    assert kl[0] == 0.0 and kl[-1] > 1e-3, kl
+    mismatch = _values(run, "quickstart_grpo", "mismatch/logprob_abs_diff_max")
+    assert len(mismatch) == 3 and max(mismatch) < 1e-4, mismatch
+    linears = sum(tensor.numel() * tensor.element_size() for file in model.glob("*.safetensors")
+                  for name, tensor in load_file(file).items() if name.endswith("_proj.weight"))
+    assert _logged(run, "quickstart_grpo", "sync/bytes_received") == [2, 3]
+    assert _values(run, "quickstart_grpo", "sync/bytes_received") == [linears / 2] * 2
+    assert _values(run, "quickstart_grpo", "sync/bytes_over_lower_bound") == [1.0] * 2

@@ -1,0 +1,41 @@
+"""A PEFT adapter directory that does not fit actor.lora is refused in one line naming the file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megarl.models.lora import LoRASettings
+from megarl.models.peft_adapter import CONFIG_FILE, WEIGHTS_FILE, check_peft_config
+
+SETTINGS = LoRASettings(rank=8, alpha=16.0, dropout=0.0, target_modules=("q_proj", "v_proj"))
+
+
+def _adapter(directory, **config):
+    (directory / CONFIG_FILE).write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16,
+                                                      "target_modules": ["v_proj", "q_proj"], **config}))
+    (directory / WEIGHTS_FILE).write_bytes(b"")
+    return directory
+
+
+def test_an_adapter_of_the_configured_rank_alpha_and_targets_is_accepted(tmp_path):
+    check_peft_config(_adapter(tmp_path), SETTINGS)  # the targets' order does not matter
+
+
+@pytest.mark.parametrize("config, fragment", [
+    ({"r": 16}, "rank 16, alpha 16 on ['q_proj', 'v_proj']; actor.lora asks for rank 8"),
+    ({"lora_alpha": 32}, "alpha 32"),
+    ({"target_modules": ["q_proj"]}, "on ['q_proj']; actor.lora asks for rank 8, alpha 16 on ['q_proj', 'v_proj']"),
+    ({"peft_type": "IA3"}, "a IA3 adapter"),
+])
+def test_an_adapter_for_another_rank_alpha_targets_or_method_names_its_file(tmp_path, config, fragment):
+    with pytest.raises(ValueError) as error:
+        check_peft_config(_adapter(tmp_path, **config), SETTINGS)
+    message = str(error.value)
+    assert message.startswith(f"{tmp_path / CONFIG_FILE}: ") and fragment in message and "\n" not in message
+
+
+def test_a_directory_without_an_adapter_names_the_key(tmp_path):
+    with pytest.raises(ValueError, match=r"config key 'actor.lora.adapter_path' = .*: expected a PEFT adapter"):
+        check_peft_config(tmp_path, SETTINGS)
