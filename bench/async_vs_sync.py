@@ -16,9 +16,9 @@ the first --warmup-steps left out), the trainer's wait for a batch (`timing/wait
 rollout ranks' idle time (`timing/rollout_idle`) and generation time (`timing/rollout_generate`; the
 colocated run's `timing/rollout`) per step, the training seconds to the first evaluation at or above
 --threshold, and the final accuracy; ratios against colocated synchronous at the same process count.
---override KEY=VALUE ... adds config overrides to every contender (e.g. actor.tis_cap=2). Every
-process runs one thread; each process count's logs, mlflow stores and numbers (results.json) are in
-outputs/bench/async_vs_sync/<N>proc[_<overrides>]/.
+--override KEY=VALUE ... adds config overrides to every contender (e.g.
+algorithm.rollout_correction.preset=token_tis). Every process runs one thread; each process count's logs,
+mlflow stores and numbers (results.json) are in outputs/bench/async_vs_sync/<N>proc[_<overrides>]/.
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=2, help="first steps left out of the per-step numbers")
     parser.add_argument("--threshold", type=float, default=0.5, help="held-out greedy accuracy")
     parser.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="config overrides for every contender, e.g. actor.tis_cap=2")
+                        help="config overrides for every contender, e.g. algorithm.rollout_correction.preset=token_tis")
     args = parser.parse_args()
     if args.steps <= args.warmup_steps:
         sys.exit(f"--steps {args.steps}: none left after --warmup-steps {args.warmup_steps}")

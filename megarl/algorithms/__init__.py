@@ -13,7 +13,7 @@ from megarl.algorithms.advantages import (
 from megarl.algorithms.aggregation import LOSS_AGGREGATIONS, aggregate, masked_mean
 from megarl.algorithms.dapo import keep_informative_groups, overlong_penalty
 from megarl.algorithms.distillation import reverse_kl_tokens
-from megarl.algorithms.importance import rollout_mismatch_tokens, truncated_importance_weights
+from megarl.algorithms.importance import rollout_mismatch_tokens
 from megarl.algorithms.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -27,6 +27,7 @@ from megarl.algorithms.prime import (  # also registers the prime estimator
     implicit_token_rewards,
     outcome_cross_entropy,
 )
+from megarl.algorithms.rollout_correction import ROLLOUT_CORRECTIONS, RolloutCorrection, correct_rollout
 from megarl.algorithms.value_loss import clipped_value_loss
 
 __all__ = [
@@ -34,12 +35,15 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "POLICY_LOSSES",
+    "ROLLOUT_CORRECTIONS",
     "AdaptiveKLController",
     "AdvantageInputs",
     "FixedKLController",
     "PolicyLossParams",
+    "RolloutCorrection",
     "aggregate",
     "clipped_value_loss",
+    "correct_rollout",
     "implicit_accuracy",
     "implicit_sequence_rewards",
     "implicit_token_rewards",
@@ -52,5 +56,4 @@ __all__ = [
     "register_estimator",
     "reverse_kl_tokens",
     "rollout_mismatch_tokens",
-    "truncated_importance_weights",
 ]

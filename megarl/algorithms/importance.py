@@ -1,11 +1,8 @@
-"""Correcting and measuring the mismatch between the rollout engine and the trainer.
+"""Measuring the mismatch between the rollout engine and the trainer.
 
 The rollout engine (e.g. vLLM, other kernels and precision) samples from pi_rollout while the loss
-is computed with pi_train. Truncated importance sampling reweights each token by
-
-    w_t = min(pi_train(y_t) / pi_rollout(y_t), cap) * m_t = min(exp(train_t - rollout_t), cap) * m_t
-
-with no gradient through w. Mismatch metrics over valid tokens:
+is computed with pi_train; `megarl.algorithms.rollout_correction` corrects for it. Mismatch metrics
+over valid tokens:
     mismatch/logprob_abs_diff_mean   mean |train_t - rollout_t|
     mismatch/logprob_abs_diff_max    max  |train_t - rollout_t|
     mismatch/kl                      mean k3(rollout_t, train_t), an estimate of
@@ -18,15 +15,6 @@ import torch
 from torch import Tensor
 
 from megarl.algorithms.kl import k3
-
-
-@torch.no_grad()
-def truncated_importance_weights(
-    train_logprobs_BR: Tensor, rollout_logprobs_BR: Tensor, mask_BR: Tensor, cap: float
-) -> Tensor:
-    # exp may overflow to inf at garbage padding; the cap is applied before the mask, so it stays finite.
-    ratio_BR = torch.exp(train_logprobs_BR - rollout_logprobs_BR)
-    return ratio_BR.clamp(max=cap) * mask_BR
 
 
 @torch.no_grad()

@@ -30,6 +30,7 @@ from megarl.config.schema import (
     RESUME_MODES,
     EngineConfig,
     MultiTurnConfig,
+    RolloutCorrectionConfig,
     RunConfig,
 )
 from megarl.messages import one_line
@@ -107,6 +108,7 @@ def validate(config: RunConfig) -> None:
         raise ConfigError("config key 'actor.router_replay' = True is not supported with rollout.multi_turn.enable; "
                           "allowed: false")
     _check_choice("algorithm.kl_ctrl.type", config.algorithm.kl_ctrl.type, KL_CONTROLLERS)
+    _check_rollout_correction(config.algorithm.rollout_correction)
     _check_at_least("trainer.total_steps", config.trainer.total_steps, 1)
     _check_at_least("trainer.log_freq", config.trainer.log_freq, 1)
     _check_multi_turn(config.rollout.multi_turn)
@@ -142,6 +144,23 @@ def _check_placement(config: RunConfig) -> None:
         if value:
             raise ConfigError(f"config key '{key}' = {value} is not supported with trainer.placement=split; "
                               "allowed: false")
+
+
+def _check_rollout_correction(correction: RolloutCorrectionConfig) -> None:
+    """The bounds that are set lie where they mean something; the preset's name and whether it reads
+    them are checked against the presets at start-up (`megarl.trainer.startup`)."""
+    prefix = "config key 'algorithm.rollout_correction"
+    if correction.cap is not None and not correction.cap >= 1:  # (not >=: NaN fails too)
+        raise ConfigError(f"{prefix}.cap' = {correction.cap} is out of range; allowed: numbers >= 1 (a cap below 1 "
+                          "would shrink on-policy tokens) or null (the preset's)")
+    if correction.lower is not None and not 0 <= correction.lower < 1:
+        raise ConfigError(f"{prefix}.lower' = {correction.lower} is out of range; allowed: [0, 1) (a band around "
+                          "ratio 1) or null (the preset's)")
+    if correction.upper is not None and not correction.upper > 1:
+        raise ConfigError(f"{prefix}.upper' = {correction.upper} is out of range; allowed: numbers > 1 (a band "
+                          "around ratio 1) or null (the preset's)")
+    if not correction.opsm_delta >= 0:
+        raise ConfigError(f"{prefix}.opsm_delta' = {correction.opsm_delta} is out of range; allowed: numbers >= 0")
 
 
 def _check_multi_turn(multi_turn: MultiTurnConfig) -> None:
@@ -280,7 +299,8 @@ def _valid_keys_hint(prefix: str) -> str:
 
 
 def _type_message(error: ValidationError) -> str:
-    expected = _KEY_TYPES[error.full_key].__name__
+    hint = _KEY_TYPES[error.full_key]
+    expected = getattr(hint, "__name__", str(hint))  # `float | None` has no name
     return f"config key '{error.full_key}' = {error.value!r} is not a valid {expected}"
 
 

@@ -93,7 +93,7 @@ def _section(cls: type, prefix: str, lead: str) -> list[str]:
         else:
             default = _format_default(_default(field))
         description = _cell(description) + _allowed_values(description)
-        lines.append(f"| `{key}` | `{field.type}` | {default} | {description} |")
+        lines.append(f"| `{key}` | `{_cell(str(field.type))}` | {default} | {description} |")
     for nested_cls, nested_prefix, field in nested:
         lead = nested_cls.__doc__ if _has_own_docstring(nested_cls) else docs.get(field.name, "")
         lines += ["", *_section(nested_cls, nested_prefix, lead)]

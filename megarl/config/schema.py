@@ -270,10 +270,6 @@ class ActorConfig(EngineConfig, ParallelConfig):
     kl_loss_type: str = "k3"
     """Registered KL estimator for the loss term: k1, k2, k3 (low variance)."""
 
-    tis_cap: float = 0.0
-    """Truncated importance sampling against train/inference mismatch: weight each token by
-    min(p_train / p_rollout, tis_cap); 0 disables."""
-
     router_replay: bool = False
     """Mixture-of-experts models: route every token, in scoring and updates, to the experts the rollout
     engine routed it to (R3), instead of the router's own top-k; the router still weighs them. Without
@@ -489,6 +485,37 @@ class KLControlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """Corrections for tokens whose log-probs under the rollout engine differ from the trainer's (other
+    kernels and precision when colocated, an older policy under split placement): importance weights on
+    the policy loss and rejection of tokens or sequences, which then leave the whole loss. Applied in the
+    actor's loss from the trainer's old log-probs and the engine's; the math, presets and sources are in
+    `megarl.algorithms.rollout_correction` and docs/algorithms.md. Logged as actor/rollout_correction/*."""
+
+    preset: str = "none"
+    """none, token_tis (token weights truncated at cap), seq_tis (sequence weight truncated), token_mis /
+    seq_mis (token / sequence weights; tokens / sequences with the ratio outside [lower, upper] rejected),
+    icepop (token_mis with the band [0.5, 5]), geo_rs (sequences with the geometric mean ratio outside
+    [lower, upper] rejected, no weights), geo_rs_token_tis (geo_rs with token_tis weights)."""
+
+    cap: float | None = None
+    """Truncate the importance weights at this (>= 1); null: the preset's (2 for token_tis, seq_tis and
+    geo_rs_token_tis; none for the masked ones). Only for presets with weights."""
+
+    lower: float | None = None
+    """Reject ratios below this (in [0, 1)); null: the preset's (0.5 for token_mis, seq_mis, icepop; 0.999
+    for geo_rs, geo_rs_token_tis). Only for presets that reject."""
+
+    upper: float | None = None
+    """Reject ratios above this (> 1); null: the preset's (2 for token_mis and seq_mis, 5 for icepop, 1.001
+    for geo_rs and geo_rs_token_tis). Only for presets that reject."""
+
+    opsm_delta: float = 0.0
+    """Off-policy sequence masking (DeepSeek-V3.2), with any preset: drop the negative-advantage tokens of
+    a sequence whose mean log-prob under the engine exceeds the current policy's by more than this; 0: off."""
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Registered advantage estimator: gae, grpo, drgrpo, rloo, reinforce_plus_plus, remax, opd (needs teacher),
@@ -515,6 +542,9 @@ class AlgorithmConfig:
 
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     """Controller of the reward KL coefficient."""
+
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Importance weights and rejection for the rollout engine's log-probs differing from the trainer's."""
 
     filter_groups: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts."""

@@ -12,15 +12,17 @@ import torch
 from megarl.algorithms import (
     KL_ESTIMATORS,
     POLICY_LOSSES,
+    ROLLOUT_CORRECTIONS,
     PolicyLossParams,
+    RolloutCorrection,
     aggregate,
     clipped_value_loss,
+    correct_rollout,
     implicit_accuracy,
     implicit_sequence_rewards,
     outcome_cross_entropy,
-    truncated_importance_weights,
 )
-from megarl.config.schema import ActorConfig, CriticConfig, PrimeConfig
+from megarl.config.schema import ActorConfig, CriticConfig, PrimeConfig, RolloutCorrectionConfig
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.megatron_engine import LossFn, LossNormalizer
 
@@ -30,7 +32,17 @@ def _as_contribution(value: torch.Tensor, micro_batch: SequenceBatch, normalizer
     return value.detach() * micro_batch.num_loss_tokens / normalizer.num_tokens
 
 
-def actor_loss(config: ActorConfig, max_response_length: int) -> LossFn:
+def rollout_correction(config: RolloutCorrectionConfig) -> RolloutCorrection:
+    """The preset with the bounds the config sets (`megarl.trainer.startup` checked that it reads them)."""
+    return ROLLOUT_CORRECTIONS.get(config.preset).with_bounds(config.cap, config.lower, config.upper,
+                                                              config.opsm_delta)
+
+
+def actor_loss(config: ActorConfig, correction_config: RolloutCorrectionConfig, max_response_length: int) -> LossFn:
+    """PPO-style policy loss (`actor.policy_loss`) times the rollout correction's weights, minus the entropy
+    bonus, plus the KL loss; a token the correction rejects leaves all three (its keep mask multiplies them)
+    but stays in the normaliser's counts (why: `megarl.algorithms.rollout_correction`)."""
+    correction = rollout_correction(correction_config)
     policy_loss = POLICY_LOSSES.get(config.policy_loss)
     kl_estimator = KL_ESTIMATORS.get(config.kl_loss_type)
     params = PolicyLossParams(
@@ -44,21 +56,31 @@ def actor_loss(config: ActorConfig, max_response_length: int) -> LossFn:
         tensors = micro_batch.response_tensors.map(lambda tensor_BR: tensor_BR.to(outputs["logprobs"].device))
         mask_BR = micro_batch.response_mask_BR.to(outputs["logprobs"].device)
 
-        def mean(values_BR):
-            return aggregate(values_BR, mask_BR, config.loss_agg_mode, normalizer.num_tokens,
-                             normalizer.num_sequences, max_response_length)
-
         # Without old log-probs the trainer skipped scoring because this is the update's only step: the
         # policy being trained is still the one the batch is scored against, so they are its own.
         old_BR = tensors.old_logprobs_BR if tensors.old_logprobs_BR is not None else outputs["logprobs"].detach()
-        weights_BR = None
-        if config.tis_cap > 0:
-            weights_BR = truncated_importance_weights(old_BR, tensors.rollout_logprobs_BR, mask_BR, config.tis_cap)
+        weights_BR = keep_BR = None
+        correction_metrics = {}
+        if correction.is_active:
+            corrected = correct_rollout(correction, old_BR, tensors.rollout_logprobs_BR, mask_BR, outputs["logprobs"],
+                                        tensors.advantages_BR)
+            weights_BR, keep_BR = corrected.weights_BR, corrected.keep_BR
+            # Sums over this micro-batch divided by the mini-batch's counts: contributions that add up.
+            for counts, count in ((corrected.token_counts, normalizer.num_tokens),
+                                  (corrected.sequence_counts, normalizer.num_sequences)):
+                correction_metrics.update({f"actor/rollout_correction/{name}": total / count
+                                           for name, total in counts.items()})
+
+        def mean(values_BR):
+            kept_BR = values_BR if keep_BR is None else values_BR * keep_BR
+            return aggregate(kept_BR, mask_BR, config.loss_agg_mode, normalizer.num_tokens,
+                             normalizer.num_sequences, max_response_length)
+
         pg_BR, pg_metrics = policy_loss(outputs["logprobs"], old_BR, tensors.advantages_BR, mask_BR, params,
                                         weights_BR)
         pg_loss, entropy = mean(pg_BR), mean(outputs["entropy"])
         loss = pg_loss - config.entropy_coeff * entropy
-        metrics = {"actor/pg_loss": pg_loss.detach(), "actor/entropy": entropy.detach()}
+        metrics = {"actor/pg_loss": pg_loss.detach(), "actor/entropy": entropy.detach(), **correction_metrics}
         if config.use_kl_loss:
             kl = mean(kl_estimator(outputs["logprobs"], tensors.ref_logprobs_BR))
             loss = loss + config.kl_loss_coef * kl

@@ -211,7 +211,8 @@ class RLTrainer:
             components_BK = reward_components(local.score_extras, self.config.algorithm.reward_components)
             self._advantages(batch, group_ids_B, token_rewards_BR, baseline_B, components_BK, stats)
         with timer("update_actor"):
-            loss = actor_loss(self.config.actor, self.config.data.max_response_length)
+            loss = actor_loss(self.config.actor, self.config.algorithm.rollout_correction,
+                              self.config.data.max_response_length)
             actor_history, kept = self.actor.update(batch, group_ids_B, num_groups, loss, seed, step,
                                                     temperature=temperature, keep_outputs=old_from_update)
         if old_from_update:

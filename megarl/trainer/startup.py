@@ -54,6 +54,7 @@ def parse_config(argv: Sequence[str], rl: bool) -> RunConfig:
     validate_layout(config, world_size)
     validate_batches(config, world_size, rl)
     check_registered_names(config)
+    check_rollout_correction_bounds(config)
     if rl:
         check_estimator_needs(config)
     require(["core", *(["vllm"] if rl and config.rollout.backend == "vllm" else []),  # SFT generates nothing
@@ -86,7 +87,13 @@ def require_hf_directory(key: str, path: str) -> None:
 
 def check_registered_names(config: RunConfig) -> None:
     """Names chosen from registries exist (the message lists the registered ones)."""
-    from megarl.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+    from megarl.algorithms import (
+        ADVANTAGE_ESTIMATORS,
+        KL_ESTIMATORS,
+        LOSS_AGGREGATIONS,
+        POLICY_LOSSES,
+        ROLLOUT_CORRECTIONS,
+    )
     from megarl.rollout import ROLLOUT_BACKENDS
 
     for key, value, registry in (
@@ -96,10 +103,27 @@ def check_registered_names(config: RunConfig) -> None:
         ("actor.kl_loss_type", config.actor.kl_loss_type, KL_ESTIMATORS),
         ("actor.loss_agg_mode", config.actor.loss_agg_mode, LOSS_AGGREGATIONS),
         ("rollout.backend", config.rollout.backend, ROLLOUT_BACKENDS),
+        ("algorithm.rollout_correction.preset", config.algorithm.rollout_correction.preset, ROLLOUT_CORRECTIONS),
     ):
         if value not in registry.names():
             raise ConfigError(f"config key '{key}' = {value!r} is not registered; registered: "
                               f"{', '.join(registry.names())}")
+
+
+def check_rollout_correction_bounds(config: RunConfig) -> None:
+    """A rollout-correction bound that is set is one its preset reads: a cap needs weights, a band needs
+    rejection (their ranges are the loader's to check)."""
+    from megarl.algorithms import ROLLOUT_CORRECTIONS
+
+    correction = config.algorithm.rollout_correction
+    preset = ROLLOUT_CORRECTIONS.get(correction.preset)
+    for name, value, read in (("cap", correction.cap, preset.weights != "none"),
+                              ("lower", correction.lower, preset.rejection != "none"),
+                              ("upper", correction.upper, preset.rejection != "none")):
+        if value is not None and not read:
+            raise ConfigError(f"config key 'algorithm.rollout_correction.{name}' = {value} is not read by preset "
+                              f"{correction.preset!r}; allowed: null, or a preset that "
+                              f"{'weights' if name == 'cap' else 'rejects'}")
 
 
 def check_estimator_needs(config: RunConfig) -> None:

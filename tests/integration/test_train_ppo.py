@@ -103,16 +103,17 @@ def test_ppo_at_tp2_pp2_dp2_matches_tp1(tiny_models, arithmetic, tmp_path):
 
 
 def _grpo_variants(tiny_models, arithmetic, out, nproc, layout):
-    """Multi-turn trajectories with a KL loss, truncated IS, DAPO group filtering and overlong shaping, a
-    Megatron reward model added to a user reward function loaded by path, which counts its calls; checked
-    run on its own. Returns its run directory."""
+    """Multi-turn trajectories with a KL loss, token-level truncated IS, DAPO group filtering and overlong
+    shaping, a Megatron reward model added to a user reward function loaded by path, which counts its calls;
+    checked run on its own. Returns its run directory."""
     calls = out / "calls"
     calls.mkdir(parents=True)
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setenv("MEGARL_TEST_REWARD_CALLS", str(calls))
         result = torchrun(nproc, ROOT / "launchers/train_ppo.py", "--config", "configs/quickstart.yaml",
                           *_overrides(tiny_models["qwen3-tied"], arithmetic, out, "actor.use_kl_loss=true",
-                                      "actor.loss_agg_mode=seq-mean-token-mean", "actor.tis_cap=2.0",
+                                      "actor.loss_agg_mode=seq-mean-token-mean",
+                                      "algorithm.rollout_correction.preset=token_tis",
                                       "actor.clip_ratio_high=0.28", "algorithm.filter_groups=true",
                                       "algorithm.overlong_buffer_length=2",
                                       f"reward.reward_model_path={tiny_models['qwen2-value']}",
@@ -126,7 +127,8 @@ def _grpo_variants(tiny_models, arithmetic, out, nproc, layout):
     rounds = _values(run_dir, "quickstart_grpo", "rollout/filter_rounds")
     num_calls = sum(len(f.read_text().splitlines()) for f in calls.iterdir())
     assert num_calls == 4 * 8 * sum(rounds) + 2 * 8, (layout, rounds, num_calls)
-    for metric in ("actor/kl_loss", "mismatch/kl", "rollout/filter_rounds", "actor/grad_norm", "reward/length"):
+    for metric in ("actor/kl_loss", "mismatch/kl", "rollout/filter_rounds", "actor/grad_norm", "reward/length",
+                   "actor/rollout_correction/token_kept_fraction"):
         assert _logged(run_dir, "quickstart_grpo", metric) == [1, 2, 3], metric
     return run_dir
 
@@ -143,11 +145,11 @@ def test_multi_turn_grpo_variants_give_the_run_at_dp1(tiny_models, arithmetic, t
     run_dir = _grpo_variants(tiny_models, arithmetic, tmp_path, nproc, layout)
     # The same seed gives the same trajectories, rewards and per-step losses at DP1, DP2 and PP2.
     for metric in ("reward/function_mean", "reward/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm",
-                   "agent/model_tokens", "mismatch/logprob_abs_diff_max"):
+                   "agent/model_tokens", "mismatch/logprob_abs_diff_max", "actor/rollout_correction/weight_mean"):
         reference, other = (_values(run, "quickstart_grpo", metric) for run in (grpo_variants_at_dp1, run_dir))
         assert other == pytest.approx(reference, rel=1e-4, abs=1e-6), metric
     # The pieces' effects on the batch and loss are checked on real tensors in tests/unit/trainer
-    # (test_scores.py: group filtering, reward model, overlong penalty; test_losses.py: truncated IS);
+    # (test_scores.py: group filtering, reward model, overlong penalty; test_losses.py: rollout corrections);
     # here: the reward model's scores reach the rewards, on top of the function's 0/1 parity scores.
     total, function = (_values(run_dir, "quickstart_grpo", m) for m in ("reward/mean", "reward/function_mean"))
     assert all(0 <= f <= 1 for f in function) and all(abs(t - f) > 1e-6 for t, f in zip(total, function))

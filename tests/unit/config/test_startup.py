@@ -53,6 +53,25 @@ def test_gae_without_critic_fails_naming_the_estimator(monkeypatch, tiny_models)
     assert parse_config(argv, rl=False).algorithm.adv_estimator == "gae"  # SFT trains no critic and needs none
 
 
+def test_rollout_correction_preset_is_registered_and_reads_the_bounds_set(monkeypatch, tiny_models):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    argv = ["--config", "configs/tiny_cpu.yaml", f"model.path={tiny_models['qwen2-tied']}"]
+    with pytest.raises(ConfigError, match=r"'algorithm\.rollout_correction\.preset' = 'mis' is not registered; "
+                                          r"registered: geo_rs, geo_rs_token_tis, icepop, none, seq_mis"):
+        parse_config([*argv, "algorithm.rollout_correction.preset=mis"], rl=True)
+    with pytest.raises(ConfigError, match=r"'algorithm\.rollout_correction\.lower' = 0\.3 is not read by preset "
+                                          r"'token_tis'; allowed: null, or a preset that rejects"):
+        parse_config([*argv, "algorithm.rollout_correction.preset=token_tis", "algorithm.rollout_correction.lower=0.3"],
+                     rl=True)
+    with pytest.raises(ConfigError, match=r"'algorithm\.rollout_correction\.cap' = 3\.0 is not read by preset "
+                                          r"'geo_rs'; allowed: null, or a preset that weights"):
+        parse_config([*argv, "algorithm.rollout_correction.preset=geo_rs", "algorithm.rollout_correction.cap=3"],
+                     rl=True)
+    config = parse_config([*argv, "algorithm.rollout_correction.preset=seq_mis",
+                           "algorithm.rollout_correction.upper=3", "algorithm.rollout_correction.cap=2.5"], rl=True)
+    assert (config.algorithm.rollout_correction.upper, config.algorithm.rollout_correction.cap) == (3.0, 2.5)
+
+
 def test_split_placement_sizes_the_trainer_side_from_the_ranks_left(monkeypatch, tiny_models):
     """4 ranks, 2 of them rollout ranks: the trainers' TP2 fits the 2 left, TP4 does not; all 4 rollout ranks
     leave no trainer; ReMax's greedy rollouts are refused."""
