@@ -9,6 +9,7 @@ Each run logs to a local mlflow store, which the test reads back with mlflow's o
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import subprocess
@@ -284,14 +285,15 @@ def test_grpo_with_lora_syncs_the_merged_adapted_linears_and_its_reference_is_th
     # updates it is not. The engines (TP1) keep the base weights; after the first sync (the validation before
     # training) each sync sends W + (alpha / r) B A of the adapted linears alone: each engine rank receives the
     # other TP rank's half of them (their bytes read from the checkpoint here), the lower bound, and its log-probs
-    # match the trainer's.
+    # match the trainer's. generate.py on the run's checkpoint serves the trained adapters (the run's last
+    # validation again), not the base model (whose greedy responses differ).
     model = tiny_models["qwen2-untied"]
-    result = torchrun(2, ROOT / "launchers/train_ppo.py", "--config", "configs/quickstart.yaml",
-                      *_overrides(model, arithmetic, tmp_path, "rollout.backend=hf", "actor.tp=2", "actor.lora.rank=8",
-                                  "actor.use_kl_loss=true", "actor.ppo_mini_batch_size=4", "actor.optim.lr=1e-2",
-                                  "trainer.total_steps=3", f"reward.function={USER_REWARD}"),
-                      timeout=600)
-    assert_succeeded(result)
+    overrides = _overrides(model, arithmetic, tmp_path, "rollout.backend=hf", "actor.tp=2", "actor.lora.rank=8",
+                           "actor.use_kl_loss=true", "actor.ppo_mini_batch_size=4", "actor.optim.lr=1e-2",
+                           "trainer.total_steps=3", f"reward.function={USER_REWARD}", "trainer.save_freq=3",
+                           f"trainer.checkpoint_dir={tmp_path}/checkpoints")
+    assert_succeeded(torchrun(2, ROOT / "launchers/train_ppo.py", "--config", "configs/quickstart.yaml", *overrides,
+                              timeout=600))
     run = tmp_path / "quickstart_grpo"
     kl = _values(run, "quickstart_grpo", "actor/kl_loss")
     assert kl[0] == 0.0 and kl[-1] > 1e-3, kl
@@ -302,3 +304,14 @@ def test_grpo_with_lora_syncs_the_merged_adapted_linears_and_its_reference_is_th
     assert _logged(run, "quickstart_grpo", "sync/bytes_received") == [2, 3]
     assert _values(run, "quickstart_grpo", "sync/bytes_received") == [linears / 2] * 2
     assert _values(run, "quickstart_grpo", "sync/bytes_over_lower_bound") == [1.0] * 2
+    responses = {}
+    for name, path in (("trained", tmp_path / "checkpoints/quickstart_grpo/global_step_3"), ("base", model)):
+        output = tmp_path / f"{name}.jsonl"
+        assert_succeeded(torchrun(2, ROOT / "launchers/generate.py", "--config", "configs/quickstart.yaml",
+                                  "--output", output, *overrides, f"model.path={path}"))
+        rows = [json.loads(line) for line in output.read_text().splitlines()]
+        responses[name] = [row["response"] for row in rows]
+        if name == "trained":
+            mean = sum(row["score"] for row in rows) / len(rows)
+            assert mean == pytest.approx(dict(_history(run, "quickstart_grpo", "val/score/mean"))[3])
+    assert responses["trained"] != responses["base"]
