@@ -7,7 +7,7 @@ OUT := outputs/quickstart
 TORCHRUN := $(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=2
 export OMP_NUM_THREADS := 1
 
-.PHONY: quickstart moe-quickstart mla-quickstart opd-quickstart agent-quickstart test install docker-check gpu-wheels clean
+.PHONY: quickstart moe-quickstart mla-quickstart opd-quickstart lora-quickstart agent-quickstart test install docker-check gpu-wheels clean
 
 # The main job on the embedded default: a tiny Qwen2 and its tokenizer made here, synthetic "a+b="
 # tasks, a short SFT warm start, then GRPO on 2 CPU processes (curves in $(OUT)/quickstart_grpo).
@@ -45,6 +45,12 @@ opd-quickstart: $(INSTALLED)
 	$(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=1 checkpoints_tools/convert_to_hf.py \
 		--checkpoint $(OUT)/checkpoints/quickstart_grpo/global_step_1500 --output $(OUT)/quickstart_grpo/hf --verify
 	$(TORCHRUN) launchers/train_ppo.py --config configs/opd_quickstart.yaml
+
+# LoRA on the quick start's task, after `make quickstart` (its SFT model is the base): rank-16 adapters on every
+# projection, the base frozen (curves in $(OUT)/quickstart_lora; docs/recipes/lora.md).
+lora-quickstart: $(INSTALLED)
+	$(TORCHRUN) launchers/train_ppo.py --config configs/quickstart.yaml actor.lora.rank=16 actor.lora.alpha=32 \
+		actor.optim.lr=1e-3 trainer.experiment_name=quickstart_lora
 
 # Agentic RL: "a*b" with the calculator tool. A tiny Qwen2 and its tokenizer made here, chats whose warm-start
 # targets call the calculator half of the time, a short SFT warm start on them (rendered with its chat template

@@ -188,16 +188,18 @@ def _add_delta(adapter: LoRAAdapter, linear: torch.nn.Module, args: tuple, outpu
 
 
 def apply_lora(model: torch.nn.Module, arch: Architecture, settings: LoRASettings, seed: int = 0) -> list[LoRAAdapter]:
-    """Attach adapters to the targeted linears of this rank's model stage and freeze everything else. `seed`
-    draws the A matrices (the same adapters at every layout)."""
+    """Attach adapters to the targeted linears of this rank's model stage and freeze everything else (but a value
+    model's head). `seed` draws the A matrices (the same adapters at every layout)."""
     unknown = sorted(set(settings.target_modules) - set(TARGETS))
     if unknown:
         raise ValueError(f"config key 'actor.lora.target_modules' names {unknown}; allowed: {', '.join(TARGETS)}")
     if arch.mla is not None and set(settings.target_modules) & set(ATTENTION_TARGETS):
         raise ValueError(f"config key 'actor.lora.target_modules' = {list(settings.target_modules)}: LoRA on "
                          "multi-latent attention is not supported; allowed: gate_proj, up_proj, down_proj")
-    for parameter in model.parameters():
-        parameter.requires_grad_(False)
+    for name, parameter in model.named_parameters():
+        # A value model's head (`output_layer.score`, new on a causal LM's backbone) trains whole, as PEFT's
+        # modules_to_save keeps a classifier head.
+        parameter.requires_grad_(arch.value_model and name.startswith("output_layer.score."))
     adapters = []
     d, hidden = arch.head_dim, arch.hidden_size
     for layer in model.decoder.layers:
