@@ -46,6 +46,7 @@ from megarl.checkpoint.optimizer_state import (
     load_optimizer_state,
     sharded_optimizer_state,
 )
+from megarl.checkpoint.model_loading import load_trained_entries, trained_entries
 from megarl.checkpoint.staging import begin, finish
 from megarl.distributed.process import exit_with_parent
 
@@ -53,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 
 def sharded_state(engine, is_loading: bool) -> dict:
-    model = engine.module.sharded_state_dict()
+    model = trained_entries(engine.module.sharded_state_dict())
     state = {"model": model}
     if engine.optimizer is not None:
         state["optimizer"] = sharded_optimizer_state(engine.optimizer, model, is_loading)
@@ -212,7 +213,7 @@ class Checkpointer:
                 raise CheckpointError(f"{directory}: has no {name!r} state; it holds {sorted(state['schedulers'])}")
             initialize_optimizer_state(engine.optimizer)
             loaded = dist_checkpointing.load(sharded_state(engine, is_loading=True), str(directory / name))
-            engine.module.load_state_dict(loaded["model"])
+            load_trained_entries(engine.module, loaded["model"])
             load_optimizer_state(engine.optimizer, loaded["optimizer"])
             engine.scheduler.load_state_dict(state["schedulers"][name])
             check_step_counts(engine.optimizer, engine.scheduler.num_steps, f"loading {directory / name}")

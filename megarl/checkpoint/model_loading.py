@@ -3,8 +3,9 @@
 For the tools that use a trained model rather than resume training: HF export and generation. The
 architecture comes from the checkpoint's `hf/config.json`; the shards load at any layout, each rank
 reading only its own (megatron-core dist checkpoints are layout-independent). A model trained with LoRA
-gets its adapters back (the run's `<model>.lora` in the checkpoint's config.yaml), so that export and
-generation see the trained model (`served_tensors` merges them), not its base.
+(the run's `<model>.lora` in the checkpoint's config.yaml) is its base, read from the HF directory the run
+started from, with the checkpoint's adapters on it: a checkpoint holds what training changed alone
+(`trained_entries`), and export and generation see the trained model (`served_tensors` merges the adapters).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from megarl.checkpoint.directory import CheckpointError, problem_with
 from megarl.distributed.layout import ParallelLayout
 from megarl.models.architecture import Architecture, architecture_from_hf, read_hf_config
 from megarl.models.builder import build_model
+from megarl.models.hf_interop import load_hf_weights
 from megarl.models.lora import LoRASettings, apply_lora
 
 
@@ -45,20 +47,53 @@ def load_model(directory: Path, name: str, layout: ParallelLayout,
     if name == "critic":  # hf/ holds the actor's config; the critic is that backbone with a value head
         arch = dataclasses.replace(arch, value_model=True, tie_word_embeddings=False)
     model = build_model(arch, layout, dtype)
-    lora = _lora_settings(directory, name)
+    config = _run_config(directory)
+    lora = _lora_settings(config, name)
     if lora is not None:
+        base = _base_path(config, name)
+        if not (Path(base) / "config.json").is_file():
+            raise CheckpointError(f"{directory}: its {name} holds LoRA adapters on the base model {base}, which "
+                                  "is gone; expected the HF directory the run started from there")
+        load_hf_weights(model, arch, layout, base)
         apply_lora(model, arch, lora)
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(directory / name))
-    model.load_state_dict(loaded["model"])
+    loaded = dist_checkpointing.load({"model": trained_entries(model.sharded_state_dict())}, str(directory / name))
+    load_trained_entries(model, loaded["model"])
     return model, arch
 
 
-def _lora_settings(directory: Path, name: str) -> LoRASettings | None:
-    """The LoRA adapters model `name` was trained with (its run's config in the checkpoint), None without."""
+def trained_entries(sharded_state_dict: dict) -> dict:
+    """What a checkpoint holds of a model: every entry but a frozen parameter's (LoRA's base weights, which stay
+    those of the HF directory the run started from: a LoRA checkpoint holds the adapters, a value head, and
+    buffers training moves, such as routers' correction biases)."""
+    return {key: entry for key, entry in sharded_state_dict.items()
+            if not (isinstance(getattr(entry, "data", None), torch.nn.Parameter) and not entry.data.requires_grad)}
+
+
+def load_trained_entries(model: torch.nn.Module, loaded: dict) -> None:
+    """Load what a checkpoint holds of `model` (`trained_entries`); whatever it leaves out must be `model`'s frozen
+    parameters."""
+    result = model.load_state_dict(loaded, strict=False)
+    frozen = {name for name, parameter in model.named_parameters() if not parameter.requires_grad}
+    missing = sorted(set(result.missing_keys) - frozen)
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"the checkpoint's model does not fit: missing {missing[:3]}, unexpected "
+                              f"{sorted(result.unexpected_keys)[:3]}")
+
+
+def _run_config(directory: Path) -> dict:
+    """The run's resolved config saved in the checkpoint (empty when it has none)."""
     config_file = directory / "config.yaml"
-    if not config_file.is_file():
-        return None
-    lora = (yaml.safe_load(config_file.read_text()).get(name) or {}).get("lora") or {}
+    return yaml.safe_load(config_file.read_text()) if config_file.is_file() else {}
+
+
+def _lora_settings(config: dict, name: str) -> LoRASettings | None:
+    """The LoRA adapters model `name` was trained with, None without."""
+    lora = (config.get(name) or {}).get("lora") or {}
     if not lora.get("rank"):
         return None
     return LoRASettings(lora["rank"], lora["alpha"], lora["dropout"], tuple(lora["target_modules"]))
+
+
+def _base_path(config: dict, name: str) -> str:
+    """The HF directory model `name` of the run started from."""
+    return (name == "critic" and config["critic"].get("path")) or config["model"]["path"]

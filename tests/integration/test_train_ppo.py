@@ -18,6 +18,7 @@ import sys
 import mlflow
 import pytest
 from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoTokenizer
 
 from megarl.data.synthetic import make_arithmetic
@@ -285,8 +286,9 @@ def test_grpo_with_lora_syncs_the_merged_adapted_linears_and_its_reference_is_th
     # updates it is not. The engines (TP1) keep the base weights; after the first sync (the validation before
     # training) each sync sends W + (alpha / r) B A of the adapted linears alone: each engine rank receives the
     # other TP rank's half of them (their bytes read from the checkpoint here), the lower bound, and its log-probs
-    # match the trainer's. generate.py on the run's checkpoint serves the trained adapters (the run's last
-    # validation again), not the base model (whose greedy responses differ).
+    # match the trainer's. The checkpoint holds the adapters and their optimizer state, no base weight;
+    # generate.py on it serves the base read from model.path with the trained adapters (the run's last validation
+    # again), not the base alone (whose greedy responses differ).
     model = tiny_models["qwen2-untied"]
     overrides = _overrides(model, arithmetic, tmp_path, "rollout.backend=hf", "actor.tp=2", "actor.lora.rank=8",
                            "actor.use_kl_loss=true", "actor.ppo_mini_batch_size=4", "actor.optim.lr=1e-2",
@@ -304,8 +306,11 @@ def test_grpo_with_lora_syncs_the_merged_adapted_linears_and_its_reference_is_th
     assert _logged(run, "quickstart_grpo", "sync/bytes_received") == [2, 3]
     assert _values(run, "quickstart_grpo", "sync/bytes_received") == [linears / 2] * 2
     assert _values(run, "quickstart_grpo", "sync/bytes_over_lower_bound") == [1.0] * 2
+    checkpoint = tmp_path / "checkpoints/quickstart_grpo/global_step_3"
+    saved = FileSystemReader(str(checkpoint / "actor")).read_metadata().state_dict_metadata
+    assert any(".lora_" in key for key in saved) and not [key for key in saved if key.endswith(".weight")]
     responses = {}
-    for name, path in (("trained", tmp_path / "checkpoints/quickstart_grpo/global_step_3"), ("base", model)):
+    for name, path in (("trained", checkpoint), ("base", model)):
         output = tmp_path / f"{name}.jsonl"
         assert_succeeded(torchrun(2, ROOT / "launchers/generate.py", "--config", "configs/quickstart.yaml",
                                   "--output", output, *overrides, f"model.path={path}"))
