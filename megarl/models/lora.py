@@ -107,11 +107,10 @@ class LoRAAdapter(torch.nn.Module):
                 b = torch.zeros(part.out_features // tp, settings.rank)
             a = torch.nn.Parameter(a.to(weight.device, weight.dtype).contiguous())
             b = torch.nn.Parameter(b.to(weight.device, weight.dtype))
-            # The split half is a tensor-parallel shard (gradient norms sum it over TP); the other is replicated.
-            if kind == "row":
-                set_tensor_model_parallel_attributes(a, is_parallel=True, dim=1, stride=1)
-            else:
-                set_tensor_model_parallel_attributes(b, is_parallel=True, dim=0, stride=1)
+            # The split half is a tensor-parallel shard (its `partition_dim` says along which dim; gradient norms
+            # sum it over TP); the other is replicated.
+            split, dim = (a, 1) if kind == "row" else (b, 0)
+            set_tensor_model_parallel_attributes(split, is_parallel=True, dim=dim, stride=1)
             self.register_parameter(f"A_{part.target}", a)
             self.register_parameter(f"B_{part.target}", b)
 
@@ -133,21 +132,21 @@ class LoRAAdapter(torch.nn.Module):
                 h = (copy_to_tensor_model_parallel_region(h, group=self.group) if self.kind == "column"
                      else reduce_from_tensor_model_parallel_region(h, group=self.group))
             outputs[target] = h @ b.t()
-        return self._assemble(outputs, x.shape[:-1], x, dim=-1) * self.settings.scaling
+        return self._assemble(outputs, x.shape[:-1], dim=-1) * self.settings.scaling
 
     def weight_delta(self) -> torch.Tensor:
         """(alpha / r) B A as the linear's own weight shard (out_local x in_local), in float32."""
         deltas = {target: self.pair(target)[1].float() @ self.pair(target)[0].float() for target in self.targets()}
-        reference = next(iter(deltas.values()))
-        return self._assemble(deltas, (), reference, dim=0) * self.settings.scaling
+        return self._assemble(deltas, (), dim=0) * self.settings.scaling
 
-    def _assemble(self, pieces: dict[str, torch.Tensor], lead: tuple, like: torch.Tensor, dim: int) -> torch.Tensor:
+    def _assemble(self, pieces: dict[str, torch.Tensor], lead: tuple, dim: int) -> torch.Tensor:
         """The parts' outputs (dim=-1) or weight rows (dim=0) in the fused linear's layout; zeros for parts
         without an adapter."""
         if self.kind == "row":
             return pieces[self.parts[0].target]
+        like = next(iter(pieces.values()))
         local = [part.out_features // self.tp for part in self.parts]
-        width = next(iter(pieces.values())).shape[1] if dim == 0 else None
+        width = like.shape[1] if dim == 0 else None
         blocks = []
         for part, rows in zip(self.parts, local):
             if part.target in pieces:
@@ -165,7 +164,6 @@ class LoRAAdapter(torch.nn.Module):
             return torch.cat(split, dim=1).reshape(-1, width)
         split = [block.reshape(*lead, groups, -1) for block in blocks]
         return torch.cat(split, dim=-1).reshape(*lead, -1)
-
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """Checkpoint entries: the split half of each pair sharded over TP, the other replicated."""
@@ -190,9 +188,6 @@ def _add_delta(adapter: LoRAAdapter, linear: torch.nn.Module, args: tuple, outpu
 def apply_lora(model: torch.nn.Module, arch: Architecture, settings: LoRASettings, seed: int = 0) -> list[LoRAAdapter]:
     """Attach adapters to the targeted linears of this rank's model stage and freeze everything else (but a value
     model's head). `seed` draws the A matrices (the same adapters at every layout)."""
-    unknown = sorted(set(settings.target_modules) - set(TARGETS))
-    if unknown:
-        raise ValueError(f"config key 'actor.lora.target_modules' names {unknown}; allowed: {', '.join(TARGETS)}")
     if arch.mla is not None and set(settings.target_modules) & set(ATTENTION_TARGETS):
         raise ValueError(f"config key 'actor.lora.target_modules' = {list(settings.target_modules)}: LoRA on "
                          "multi-latent attention is not supported; allowed: gate_proj, up_proj, down_proj")

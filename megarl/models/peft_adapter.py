@@ -39,14 +39,11 @@ def export_peft(adapters: list[LoRAAdapter], settings: LoRASettings, layout: Par
     """Write the adapters of every pipeline stage as one PEFT adapter directory (rank 0 writes it)."""
     stage = {}
     for adapter, target in _layered(adapters):
-        a, b = (tensor.detach() for tensor in adapter.pair(target))
-        if adapter.tp > 1:
-            if adapter.kind == "row":
-                a = torch.cat(collectives.all_gather(a.contiguous(), group=adapter.group), dim=1)
-            else:
-                b = torch.cat(collectives.all_gather(b.contiguous(), group=adapter.group), dim=0)
-        stage[peft_name(adapter.layer, target, "A")] = a.cpu()
-        stage[peft_name(adapter.layer, target, "B")] = b.cpu()
+        for matrix, tensor in zip("AB", adapter.pair(target)):
+            whole = tensor.detach()
+            if adapter.tp > 1 and getattr(tensor, "tensor_model_parallel", False):  # the split half
+                whole = torch.cat(collectives.all_gather(whole.contiguous(), group=adapter.group), tensor.partition_dim)
+            stage[peft_name(adapter.layer, target, matrix)] = whole.cpu()
     stages = collectives.all_gather_object(stage if layout.holds_unique_stage_copy else {}, group=layout.pp_group)
     if dist.get_rank() == 0:
         out = Path(out_dir)
@@ -81,17 +78,15 @@ def load_peft(adapters: list[LoRAAdapter], settings: LoRASettings, path: str | P
     check_peft_config(path, settings)
     tensors = load_file(Path(path) / WEIGHTS_FILE)
     for adapter, target in _layered(adapters):
-        a, b = adapter.pair(target)
-        for matrix, mine in (("A", a), ("B", b)):
+        for matrix, mine in zip("AB", adapter.pair(target)):
             name = peft_name(adapter.layer, target, matrix)
             if name not in tensors:
                 raise ValueError(f"{Path(path) / WEIGHTS_FILE}: no tensor {name}; expected an adapter of this model")
             whole = tensors[name]
-            split = 1 if (adapter.kind, matrix) == ("row", "A") else 0 if (adapter.kind, matrix) == ("column", "B") \
-                else None
-            if split is not None and adapter.tp > 1:
-                width = whole.shape[split] // adapter.tp
-                whole = whole.narrow(split, adapter.group.rank() * width, width)
+            if adapter.tp > 1 and getattr(mine, "tensor_model_parallel", False):  # the split half: this rank's slice
+                dim = mine.partition_dim
+                width = whole.shape[dim] // adapter.tp
+                whole = whole.narrow(dim, adapter.group.rank() * width, width)
             if whole.shape != mine.shape:
                 raise ValueError(f"{Path(path) / WEIGHTS_FILE}: {name} has shape {tuple(tensors[name].shape)}, "
                                  "which does not fit this model; expected an adapter of this base model")
