@@ -98,7 +98,6 @@ def validate(config: RunConfig) -> None:
     _check_engine("critic", config.critic)
     _check_at_least("teacher.micro_batch_size_per_rank", config.teacher.micro_batch_size_per_rank, 0)
     _check_engine("prime", config.prime)
-    _check_shared_prompts(config)
     _check_choice("prime.update", config.prime.update, PRIME_UPDATES)
     if config.prime.beta <= 0:
         raise ConfigError(f"config key 'prime.beta' = {config.prime.beta} is out of range; allowed: numbers > 0")
@@ -332,19 +331,6 @@ def _check_engine(section: str, engine: EngineConfig) -> None:
                           f"{lora.rank}; allowed: some of {', '.join(LORA_TARGETS)}")
     if lora.dropout < 0 or lora.dropout >= 1:
         raise ConfigError(f"config key '{section}.lora.dropout' = {lora.dropout} is out of range; allowed: [0, 1)")
-
-
-def _check_shared_prompts(config: RunConfig) -> None:
-    """A model that shares prompts runs megatron's local layers: with `model.layer_spec=auto` it gets
-    them; Transformer Engine's, asked for by name, are refused here rather than at model build."""
-    if config.model.layer_spec != "transformer_engine":
-        return
-    for section in ("actor", "critic", "prime"):
-        if getattr(config, section).share_prompt_forward:
-            raise ConfigError(f"config key '{section}.share_prompt_forward' = True needs megatron's local layers "
-                              "(Transformer Engine's attention takes no per-row mask), not "
-                              "model.layer_spec='transformer_engine'; allowed: model.layer_spec=auto or local, or "
-                              f"{section}.share_prompt_forward=false")
 
 
 def _check_supported(key: str, value: int, reason: str) -> None:

@@ -59,8 +59,8 @@ class ModelConfig:
 
     layer_spec: str = "auto"
     """Transformer layer implementation, one of LAYER_SPECS; "auto" picks Transformer Engine
-    when it is importable and CUDA is present, the local (pure PyTorch) layers otherwise and for a
-    model that shares prompts (share_prompt_forward)."""
+    when it is importable and CUDA is present, the local (pure PyTorch) layers otherwise (only those
+    share prompts: share_prompt_forward)."""
 
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-experts training settings."""
@@ -164,7 +164,10 @@ class EngineConfig:
     """Passes over each RL batch; every sample is used exactly once per pass."""
 
     micro_batch_size_per_rank: int = 4
-    """Sequences per forward/backward on one DP rank (fixed-size batching)."""
+    """Sequences per forward/backward on one DP rank (fixed-size batching). Larger is faster (fewer, fuller
+    forwards: the CPU quick starts take a rank's whole share, 64) until activations outgrow memory, which 4
+    keeps small for billion-parameter models; a multiple of rollout.n keeps each group's prompt in one
+    shared row (share_prompt_forward)."""
 
     use_dynamic_batch_size: bool = False
     """Form micro-batches under a token budget (`max_token_len_per_rank`) instead of a fixed size,
@@ -186,8 +189,9 @@ class EngineConfig:
     sums either way."""
 
     grad_bucket_size: int = 0
-    """Gradient elements per overlapped DP reduction; 0: megatron's default, max(40M, 1M x DP), which
-    leaves a model under 40M parameters in one bucket, reduced after backward."""
+    """Gradient elements per overlapped DP reduction; 0: sized from the model, about one layer's trainable
+    parameters per rank, at least 1M and at most 40M (megatron's own default, which leaves a model under 40M
+    parameters in one bucket, reduced after backward)."""
 
     offload: bool = False
     """Free this model's device memory while the rollout engine generates: parameters and optimizer
@@ -199,15 +203,16 @@ class EngineConfig:
     logprob_chunk_size: int = 256
     """Rows per chunk of the vocab-parallel log-prob/entropy kernel (peak memory vs. speed)."""
 
-    share_prompt_forward: bool = False
+    share_prompt_forward: bool = True
     """Run a prompt once for all sequences of a micro-batch that share it (a GRPO group's samples): a
     row holds the prompt, then each response, attending to the prompt and to itself. Same outputs and
-    gradients up to float rounding, with (n-1)/n of the prompt tokens not recomputed. Attention runs
-    over whole rows, (P + nR)^2 scores for n responses of length R to a prompt of length P instead of
-    n(P + R)^2, so it pays where the linear layers dominate: short sequences, long shared prompts.
-    Dense models, built with megatron's local layers and unfused RoPE (Transformer Engine's kernels
-    take no per-row mask): model.layer_spec=auto picks them, model.layer_spec=transformer_engine is
-    refused."""
+    gradients up to float rounding, with (n-1)/n of the prompt tokens not recomputed. Decided when the
+    model is built (`megarl.engine.prompt_sharing`): on for an RL run's models wherever it pays, off,
+    with a one-line notice saying why, for rollout.n = 1, mixture-of-experts models, Transformer
+    Engine's layers (whose attention takes no per-row mask: model.layer_spec=auto picks them on a GPU
+    with TE; model.layer_spec=local shares prompts there) and where attention over a group's whole row,
+    (P + nR)^2 scores for n responses of length R to a prompt of length P instead of n(P + R)^2, costs
+    more than the prompt copies it saves (long responses). SFT's examples share nothing. false: never."""
 
 
 @dataclass

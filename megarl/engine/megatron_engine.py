@@ -7,8 +7,9 @@ last pipeline stage to the other stages, never gathered over DP.
 
 On GPU with Transformer Engine, micro-batches are packed (THD): sequences are concatenated
 without padding and attention restarts at each boundary (`PackedSeqParams`). Elsewhere they are
-right-padded to the micro-batch's longest sequence, or, with `share_prompt_forward`, laid out one
-row per distinct prompt with all its responses (`megarl.engine.prompt_sharing`).
+right-padded to the micro-batch's longest sequence, or, where the model shares prompts (on by
+default for an RL run's models wherever it pays, `megarl.engine.prompt_sharing`), laid out one row per
+distinct prompt with all its responses.
 
 Losses are normalised by *global* counts (tokens or sequences of the whole mini-batch, summed over
 the DP ranks' shares), so gradients are summed, not averaged, over micro-batches and DP ranks
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from functools import partial
+import logging
 from typing import Callable
 
 import torch
@@ -52,7 +54,7 @@ from megarl.engine.batching import (
 )
 from megarl.engine.memory import MemoryPhases
 from megarl.engine.packing import pack, padding_mask, response_output_rows, router_rows
-from megarl.engine.prompt_sharing import PositionedRope, share_prompts
+from megarl.engine.prompt_sharing import PositionedRope, PromptGroups, share_prompts, sharing_off_reason
 from megarl.engine.router_replay import RoutingReplay
 from megarl.engine.routing_stats import RoutingStats
 from megarl.models.builder import MoESettings, ScheduleSettings, resolve_layer_spec
@@ -113,10 +115,13 @@ class MegatronEngine:
         total_optimizer_steps: int | None = None,
         value_head: bool = False,
         router_replay: bool = False,
+        groups: PromptGroups | None = None,
     ):
         """Load `model_path` (default `model_config.path`); trainable when `total_optimizer_steps` is set;
         `value_head` turns a causal LM checkpoint into a value model (a critic's usual start);
-        `router_replay` (MoE only) routes each token to the experts the rollout engine chose for it."""
+        `router_replay` (MoE only) routes each token to the experts the rollout engine chose for it;
+        `groups`: the RL run's prompt groups, whose prompts the model shares where that pays (None: batches
+        of distinct prompts, as SFT's)."""
         self.layout, self.config = layout, config
         trainable = total_optimizer_steps is not None
         self.loss_scaling = LossScaling()
@@ -126,7 +131,7 @@ class MegatronEngine:
             finalize_model_grads_func=_finalize_without_token_scaling,
             grad_scale_func=self.loss_scaling if trainable else None,
         )
-        layer_spec = resolve_layer_spec(model_config.layer_spec, shared_prompts=config.share_prompt_forward)
+        layer_spec = resolve_layer_spec(model_config.layer_spec)
         self.module, self.arch = load_hf_model(
             model_path or model_config.path, layout, model_config.dtype, layer_spec,
             model_config.make_vocab_size_divisible_by, recompute_activations=config.recompute_activations,
@@ -142,8 +147,7 @@ class MegatronEngine:
         if router_replay and not self.arch.is_moe:
             raise ValueError(f"actor.router_replay=true needs a mixture-of-experts model; "
                              f"{model_path or model_config.path} is dense")
-        self.positioned_rope = (self._positioned_rope(model_path or model_config.path)
-                                if config.share_prompt_forward else None)
+        self.positioned_rope = self._prompt_sharing(groups, model_path or model_config.path)
         self.optimizer = self.scheduler = self.routing = self.rollout_routing = None
         if trainable:
             self._make_trainable(model_config, total_optimizer_steps)
@@ -163,13 +167,18 @@ class MegatronEngine:
             load_peft(adapters, settings, lora.adapter_path)
         return adapters
 
-    def _positioned_rope(self, model_path: str) -> PositionedRope:
-        """Per-token RoPE positions for the shared-prompt layout, which needs an arbitrary attention
-        mask (megatron's local attention) and RoPE angles per row (its unfused RoPE): what
-        `resolve_layer_spec` builds for a model that shares prompts."""
-        assert not self.packed and not self.module.config.apply_rope_fusion
-        if self.arch.is_moe:
-            raise ValueError(f"share_prompt_forward=true supports dense models; {model_path} is a mixture of experts")
+    def _prompt_sharing(self, groups: PromptGroups | None, model_path: str) -> PositionedRope | None:
+        """Per-token RoPE positions for the shared-prompt layout where this model shares prompts (None where
+        it does not; rank 0 logs why when `share_prompt_forward` asked for it). The layout needs an arbitrary
+        attention mask (megatron's local attention) and RoPE angles per row (its unfused RoPE)."""
+        if not self.config.share_prompt_forward or groups is None:
+            return None
+        off = sharing_off_reason(self.arch, "transformer_engine" if self.packed else "local", groups)
+        if off is not None:
+            if self.layout.rank == 0:
+                logging.getLogger("megarl").warning(f"prompt sharing off for {model_path}: {off}")
+            return None
+        assert not self.module.config.apply_rope_fusion
         return PositionedRope(self.module)
 
     def _make_trainable(self, model_config: ModelConfig, total_optimizer_steps: int) -> None:
@@ -181,7 +190,8 @@ class MegatronEngine:
         # (megatron's own training does the same): summing in bf16 loses the small contributions.
         ddp_config = DistributedDataParallelConfig(
             use_distributed_optimizer=distributed, grad_reduce_in_fp32=model_config.dtype != "float32",
-            overlap_grad_reduce=self.config.overlap_grad_reduce, bucket_size=self.config.grad_bucket_size or None,
+            overlap_grad_reduce=self.config.overlap_grad_reduce,
+            bucket_size=self.config.grad_bucket_size or self._layer_sized_bucket(),
         )
         self.model = DistributedDataParallel(self.module.config, ddp_config, self.module)
         self.optimizer = get_megatron_optimizer(
@@ -207,6 +217,16 @@ class MegatronEngine:
             lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
             wd_incr_steps=max(total_optimizer_steps, 1), wd_incr_style="constant",
         )
+
+    def _layer_sized_bucket(self) -> int:
+        """Gradient elements per overlapped DP reduction: about one layer's trainable parameters on this
+        rank, so that a layer's gradients are reduced while backward computes the layers before it (megatron's
+        default, 40M, leaves a model under 40M parameters in one bucket, reduced after backward); at least
+        1M, the bucket measured on the quick start's configs before it was the default (commit 02c9fb9), as
+        each reduction has a fixed cost; at most megatron's 40M."""
+        trainable = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
+        layers = max(self.arch.num_layers // self.layout.pp, 1)
+        return min(max(trainable // layers, 1_000_000), 40_000_000)
 
     # ---- planning -------------------------------------------------------------------------------
 

@@ -17,6 +17,9 @@ sequence is predicted by the shared prompt's last output row.
 
 Rows are right-padded to the longest; padding tokens attend to nothing real and nothing attends to
 them. Positions within a row differ per row, so RoPE takes per-token positions (`PositionedRope`).
+
+Whether a model shares prompts is decided when its engine is built (`sharing_off_reason`): it is on
+by default wherever it gives the same result for less work, and off, with the reason, otherwise.
 """
 
 from __future__ import annotations
@@ -26,9 +29,58 @@ from dataclasses import dataclass
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
+from megarl.config.schema import RunConfig
 from megarl.engine.batch import SequenceBatch
+from megarl.models.architecture import Architecture
 
 _PADDING = -1  # branch id of padding; the prompt is branch 0, its k-th response branch k
+
+
+@dataclass(frozen=True)
+class PromptGroups:
+    """The sequences an RL run's models see: each prompt sampled `samples` times (rollout.n), prompts
+    and responses at most these lengths (data.max_prompt_length, data.max_response_length)."""
+
+    samples: int
+    max_prompt_length: int
+    max_response_length: int
+
+    @classmethod
+    def of_run(cls, config: RunConfig) -> PromptGroups:
+        return cls(config.rollout.n, config.data.max_prompt_length, config.data.max_response_length)
+
+
+def sharing_off_reason(arch: Architecture, layer_spec: str, groups: PromptGroups) -> str | None:
+    """Why a model of `arch` on `layer_spec` (resolved) should not share prompts for `groups`; None: it should.
+
+    Sharing needs megatron's local layers (per-row masks and RoPE positions) and a dense model. It pays
+    where the linear layers dominate: a group's row of P + nR tokens replaces n rows of P + R, but
+    megatron's local attention scores the whole (P + nR)^2 square, against n (P + R)^2 separately.
+    Long responses tip it (and the square is also the attention's memory): the forward's
+    multiply-adds at the longest prompts and responses decide."""
+    n, prompt, response = groups.samples, groups.max_prompt_length, groups.max_response_length
+    if n < 2:
+        return f"rollout.n = {n}: no prompt repeats"
+    if arch.is_moe:
+        return "mixture-of-experts models do not share prompts"
+    if layer_spec != "local":
+        return ("Transformer Engine's attention takes no per-row mask (model.layer_spec=local shares prompts, "
+                "without TE's kernels)")
+    shared, separate = _forward_cost(arch, prompt + n * response, 1), _forward_cost(arch, prompt + response, n)
+    if shared >= separate:
+        return (f"attention over one row of {prompt} + {n} x {response} tokens per prompt costs more than its "
+                f"{n - 1} prompt copies ({shared / separate:.2f}x the multiply-adds of separate rows)")
+    return None
+
+
+def _forward_cost(arch: Architecture, width: int, rows: int) -> int:
+    """Multiply-adds of a forward over `rows` rows of `width` tokens: the linear layers per token, the
+    attention's scores and weighted sums per (query, key) pair of a row, the output layer per token."""
+    query, key_value = arch.num_attention_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    hidden = arch.hidden_size
+    per_token = hidden * (2 * query + 2 * key_value) + 3 * hidden * arch.ffn_hidden_size
+    per_pair = 2 * query
+    return rows * (arch.num_layers * (width * per_token + width * width * per_pair) + width * hidden * arch.vocab_size)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """Building megatron-core GPT models (actor, reference, critic, reward) for an `Architecture`.
 
 The layer spec decides *which* modules implement the layer: megatron-core's local modules on CPU,
-Transformer Engine's fused ones where `megarl.device` says TE is usable (`layer_spec="auto"`), except
-for a model that shares prompts (`resolve_layer_spec`). Fused kernels and sequence parallelism follow
-the device and the layer spec (`fused_kernels`).
+Transformer Engine's fused ones where `megarl.device` says TE is usable (`layer_spec="auto"`,
+`resolve_layer_spec`). Fused kernels and sequence parallelism follow the device and the layer spec
+(`fused_kernels`).
 
 Mixture-of-experts architectures get megatron-core's own MoE layer in every decoder layer past
 their dense first ones: a router, the experts (one MLP per local expert with the local spec; grouped
@@ -108,17 +108,13 @@ def moe_transformer_fields(arch: Architecture, layout: ParallelLayout, moe: MoES
     )
 
 
-def resolve_layer_spec(layer_spec: str, shared_prompts: bool = False) -> str:
+def resolve_layer_spec(layer_spec: str) -> str:
     """"auto" -> Transformer Engine where `megarl.device` says it is usable, megatron's local layers
-    elsewhere and for `shared_prompts` (`share_prompt_forward`: per-row attention masks and RoPE
-    positions, which TE's fused attention and RoPE do not take)."""
+    elsewhere (only those share prompts: `megarl.engine.prompt_sharing`)."""
     if layer_spec not in LAYER_SPECS:
         raise ValueError(f"model.layer_spec={layer_spec!r}; allowed: {', '.join(LAYER_SPECS)}")
     if layer_spec == "auto":
-        return "transformer_engine" if device.transformer_engine() and not shared_prompts else "local"
-    if layer_spec == "transformer_engine" and shared_prompts:
-        raise ValueError("share_prompt_forward=true needs megatron's local layers (Transformer Engine's attention "
-                         "takes no per-row mask); allowed: model.layer_spec=auto or local")
+        return "transformer_engine" if device.transformer_engine() else "local"
     if layer_spec == "transformer_engine" and not device.transformer_engine():
         raise ValueError("model.layer_spec='transformer_engine' needs CUDA and `pip install megarl[gpu]`")
     return layer_spec

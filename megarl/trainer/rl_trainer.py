@@ -33,6 +33,7 @@ from megarl.config.schema import EngineConfig
 from megarl.distributed.process import freeze_start_up_objects
 from megarl.engine.megatron_engine import BaseModel, MegatronEngine
 from megarl.engine.memory import MemoryPhases
+from megarl.engine.prompt_sharing import PromptGroups
 from megarl.generation.inputs import RunInputs
 from megarl.placement import make_placement
 from megarl.rewards import token_level_scores
@@ -122,7 +123,7 @@ class RLTrainer:
                 value: bool = False, router_replay: bool = False) -> MegatronEngine:
         return MegatronEngine(self.layout, self.config.model, engine_config, model_path=path,
                               total_optimizer_steps=self._optimizer_steps(engine_config) if trainable else None,
-                              value_head=value, router_replay=router_replay)
+                              value_head=value, router_replay=router_replay, groups=PromptGroups.of_run(self.config))
 
     def _implicit_prm(self) -> ImplicitPRM:
         """PRIME's PRM and its frozen reference: the run's reference model when both start from model.path."""

@@ -3,13 +3,15 @@
 At every layout: log-probs and entropy (temperature 0.7) and critic values equal `transformers`
 (<= 1e-4), and one AdamW step of a fixed loss (with grad clipping) gives the same weights as at TP1
 (<= 1e-5). PP2 and DP2 use token-budget micro-batches and TP2 recomputes activations; neither may
-change the update. TP2xPP2 runs each prompt once for the sequences that share it
-(`share_prompt_forward`; the batch holds two prompts sampled twice): the same outputs and step.
+change the update. TP2xPP2 builds its engines for prompt groups, so they run each prompt once for the
+sequences that share it (`share_prompt_forward`; the batch holds two prompts sampled twice): the same
+outputs and step; the other layouts' engines, built without groups, do not share.
 DP2 reduces gradients in buckets while backward runs (`overlap_grad_reduce`) and also trains a bf16 copy
 of the policy for a few steps beside the fp32 one.
 
-A tiny Qwen3-MoE is trained at EP1, EP2 and TP2xEP2 in one 2-process world (`moe_engine_checks.py`): its
-step, router losses included, equals `transformers` and EP1, its routing metrics equal a count of HF's
+A tiny Qwen3-MoE is trained at EP1, EP2 and TP2xEP2 in one 2-process world (`moe_engine_checks.py`), built for
+prompt groups as an RL run builds it (it does not share them): its step, router losses included, equals
+`transformers` and EP1, its routing metrics equal a count of HF's
 routing, and an EP2 checkpoint resumes exactly (also at EP1, as an EP1 one at EP2). An MoE critic scores and
 trains at TP2xEP2.
 """
@@ -91,6 +93,7 @@ def layout_run(tiny_models, tmp_path_factory):
 def test_layout_matches_transformers_and_tp1_step(baseline, layout_run, layout):
     base_report, base_weights = baseline
     report, weights = layout_run(layout)
+    assert report["shares_prompts"] == [layout == "tp2pp2"] * 2
     assert report["logprob_entropy_diff"] <= 1e-4 and report["value_diff"] <= 1e-4
     assert report["kept_outputs_vs_score"] <= 1e-5
     assert report["loss"] == pytest.approx(base_report["loss"], abs=1e-5)
@@ -156,6 +159,13 @@ def test_moe_step_at_ep2_equals_ep1_and_transformers_with_router_losses_in_the_b
     assert ep1.keys() == ep2.keys() and any(".experts." in name for name in ep1)
     for name, tensor in ep1.items():
         assert torch.allclose(ep2[name], tensor, atol=1e-5, rtol=0), name
+
+
+def test_moe_policy_built_for_prompt_groups_does_not_share_them(moe_run):
+    """Sharing is on by default and the groups repeat every prompt 8 times, but megatron's MoE layers
+    take no shared rows: off, and the step above is that of one row per sequence."""
+    report, _ = moe_run
+    assert not report["ep1"]["shares_prompts"] and not report["ep2"]["shares_prompts"]
 
 
 def test_moe_trains_at_tp2xep2_with_sequence_parallelism_as_at_ep1(moe_run):

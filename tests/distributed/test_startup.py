@@ -1,4 +1,5 @@
-"""A real 2-process start-up: both ranks join TP2, rank 0 writes the resolved config."""
+"""A real 2-process start-up: both ranks join TP2, rank 0 writes the resolved config; the actor engine built
+for a config without tuning keys shares prompts, at rollout.n = 1 it does not and says why once."""
 
 from __future__ import annotations
 
@@ -14,3 +15,19 @@ def test_start_run_joins_layout_and_writes_resolved_config(tiny_models, tmp_path
     assert "rank 0: TP2xPP1xDP1 tp_rank=0" in result.stdout and "rank 1: TP2xPP1xDP1 tp_rank=1" in result.stdout
     written = load_config(str(tmp_path / "tiny_cpu" / "config.yaml"))
     assert (written.actor.tp, written.trainer.seed, written.model.path) == (2, 7, str(model))
+
+
+def test_actor_of_a_config_without_tuning_keys_shares_prompts_and_not_at_one_sample(tiny_models, tmp_path):
+    """configs/tiny_cpu.yaml sets no engine key: rollout.n = 8 repeats each 128-token prompt 8 times and
+    the tiny dense model (h128, 4 heads of 32, 2 KV heads, ffn 384) on the local layers shares them: one row
+    of 128 + 8 x 64 tokens, 640 x 196,608 + 640^2 x 256 = 231M multiply-adds a layer, against 8 rows of 192,
+    8 x (192 x 196,608 + 192^2 x 256) = 377M. One sample per prompt repeats none: off, with the reason on
+    one line, from rank 0 alone."""
+    result = torchrun(2, ROOT / "tests/distributed/scripts/start_run.py", "--config", "configs/tiny_cpu.yaml",
+                      f"model.path={tiny_models['qwen2-tied']}", "actor.tp=2", f"trainer.output_dir={tmp_path}")
+    assert_succeeded(result)
+    for rank in (0, 1):
+        assert f"rank {rank}: rollout.n=8 shares prompts: True" in result.stdout
+        assert f"rank {rank}: rollout.n=1 shares prompts: False" in result.stdout
+    notices = [line for line in result.stderr.splitlines() if "prompt sharing off" in line]
+    assert len(notices) == 1 and notices[0].endswith("rollout.n = 1: no prompt repeats")

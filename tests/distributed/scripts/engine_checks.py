@@ -18,6 +18,7 @@ from megarl.distributed import finish_process, init_layout
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.batching import balance_over_data_parallel
 from megarl.engine.megatron_engine import MegatronEngine
+from megarl.engine.prompt_sharing import PromptGroups
 from megarl.models.hf_interop import export_hf
 
 parser = argparse.ArgumentParser()
@@ -28,7 +29,8 @@ parser.add_argument("--tp", type=int, default=1)
 parser.add_argument("--pp", type=int, default=1)
 parser.add_argument("--dynamic", action="store_true", help="token-budget micro-batches")
 parser.add_argument("--recompute", action="store_true", help="recompute activations in backward")
-parser.add_argument("--share-prompts", action="store_true", help="share_prompt_forward: one row per distinct prompt")
+parser.add_argument("--share-prompts", action="store_true",
+                    help="build the engines for prompt groups (n = 2), which they share: one row per distinct prompt")
 parser.add_argument("--grad-bucket-size", type=int, default=0, help="gradient elements per overlapped DP reduction")
 parser.add_argument("--dtype", default="float32", help="the policy's and critic's model.dtype")
 parser.add_argument("--bf16-steps", type=int, default=0,
@@ -46,10 +48,10 @@ share = balance_over_data_parallel((prompt_lengths + response_lengths).tolist(),
 batch = SequenceBatch(tokens, prompt_lengths, response_lengths).select(share)
 engine_config = EngineConfig(
     micro_batch_size_per_rank=2, use_dynamic_batch_size=args.dynamic, max_token_len_per_rank=40,
-    recompute_activations=args.recompute, share_prompt_forward=args.share_prompts,
-    grad_bucket_size=args.grad_bucket_size,
+    recompute_activations=args.recompute, grad_bucket_size=args.grad_bucket_size,
     optim=OptimizerConfig(lr=1e-3, adam_eps=1e-6, clip_grad=1.0, weight_decay=0.01),
 )
+groups = PromptGroups(2, int(prompt_lengths.max()), int(response_lengths.max())) if args.share_prompts else None
 
 
 def hf_response_outputs(model_dir, value_model):
@@ -84,9 +86,10 @@ def max_diff(scores, reference):
 
 report = {}
 policy = MegatronEngine(layout, ModelConfig(path=args.policy, dtype=args.dtype), engine_config,
-                        total_optimizer_steps=10)
+                        total_optimizer_steps=10, groups=groups)
 scores = policy.score(batch, temperature=TEMPERATURE)
-critic = MegatronEngine(layout, ModelConfig(path=args.value, dtype=args.dtype), engine_config)
+critic = MegatronEngine(layout, ModelConfig(path=args.value, dtype=args.dtype), engine_config, groups=groups)
+report["shares_prompts"] = [engine.positioned_rope is not None for engine in (policy, critic)]
 values = critic.score(batch)
 report["logprob_entropy_diff"] = max_diff(scores, hf_response_outputs(args.policy, False))
 try:  # router replay needs a mixture-of-experts model

@@ -43,6 +43,7 @@ from megarl.distributed import finish_process, init_layout
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.batching import balance_over_data_parallel, fixed_micro_batches
 from megarl.engine.megatron_engine import MegatronEngine
+from megarl.engine.prompt_sharing import PromptGroups
 from megarl.models.hf_interop import export_hf
 
 
@@ -184,7 +185,10 @@ def local_batch(layout):
 
 
 def engine(layout, policy, moe=moe_losses):
-    return MegatronEngine(layout, ModelConfig(path=policy, moe=moe), engine_config, total_optimizer_steps=10)
+    """A policy built as an RL run builds it, for groups of 8 samples of these prompts (which a dense model shares)."""
+    groups = PromptGroups(8, int(prompt_lengths.max()), int(response_lengths.max()))
+    return MegatronEngine(layout, ModelConfig(path=policy, moe=moe), engine_config, total_optimizer_steps=10,
+                          groups=groups)
 
 
 def checkpointer(root, policy):
@@ -288,7 +292,8 @@ def main():
         uneven_diff = worst(float((scores - expected[uneven, : scores.shape[1]]).abs().max()))
         metrics, _ = policy.train_mini_batch(batch, policy_loss, temperature=TEMPERATURE)
         export_hf(policy.module, policy.arch, layout, str(out / f"ep{ep}"), args.policy)
-        report[f"ep{ep}"] = dict(metrics, score_diff=score_diff, uneven_score_diff=uneven_diff)
+        report[f"ep{ep}"] = dict(metrics, score_diff=score_diff, uneven_score_diff=uneven_diff,
+                                 shares_prompts=policy.positioned_rope is not None)
         # A step that DP rank 1 sits out with a stand-in.
         report[f"ep{ep}"]["idle_step"], _ = policy.train_mini_batch(everything.select(uneven[:3]), policy_loss,
                                                                     temperature=TEMPERATURE, idle=layout.dp_rank == 1)

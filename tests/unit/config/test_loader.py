@@ -217,18 +217,3 @@ def test_batches_that_split_over_dp_pass():
     validate_batches(_layout("data.train_batch_size=6", "rollout.n=5"), 3, rl=False)
 
 
-@pytest.mark.parametrize("section", ["actor", "critic", "prime"])
-def test_shared_prompts_with_transformer_engine_layers_fail_at_start_up_naming_the_key(section):
-    """Transformer Engine's attention takes no per-row mask: refused when the config loads, not at model build."""
-    with pytest.raises(ConfigError) as raised:
-        load_config(TINY_CPU, [f"{section}.share_prompt_forward=true", "model.layer_spec=transformer_engine"])
-    message = str(raised.value)
-    assert "\n" not in message and message.startswith(f"config key '{section}.share_prompt_forward' = True")
-    assert "allowed: model.layer_spec=auto or local" in message
-
-
-def test_quick_start_shares_prompts_with_the_layers_auto_picks():
-    """The README's first command: the quick start shares prompts and leaves model.layer_spec at auto, which
-    builds the local layers for it wherever Transformer Engine is usable (tests/unit/models/test_fused_kernels.py)."""
-    config = load_config(str(REPO_ROOT / "configs" / "quickstart.yaml"))
-    assert config.actor.share_prompt_forward and config.model.layer_spec == "auto"

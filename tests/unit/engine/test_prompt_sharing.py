@@ -3,14 +3,21 @@ that each sequence scored in a row of its own gives.
 
 A one-head causal attention model (float64, position embeddings, an attention mask) stands in for
 megatron's; the reference runs each sequence alone with a plain causal mask.
+
+Whether a model shares prompts: on for the quick start's groups, off (with the reason) where nothing
+repeats, for mixture-of-experts models, Transformer Engine's layers and long responses.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 
 from megarl.engine.batch import SequenceBatch
-from megarl.engine.prompt_sharing import share_prompts
+from megarl.engine.prompt_sharing import PromptGroups, share_prompts, sharing_off_reason
+from megarl.models.architecture import Architecture
 
 VOCAB, HIDDEN, MAX_POSITIONS = 17, 8, 32
 
@@ -85,3 +92,35 @@ def test_each_token_sees_its_prompt_and_its_own_response_only():
     assert allowed[5].tolist()[:10] == [True] * 4 + [True, True] + [False] * 4
     assert allowed[7].tolist()[:10] == [True] * 4 + [False] * 3 + [True] + [False] * 2
     assert shared.positions_gW[0].tolist()[:10] == [0, 1, 2, 3, 4, 5, 6, 4, 4, 5]
+
+
+# The quick start's model: Qwen2 h128, 4 layers, 4 heads of 32, 2 KV heads, ffn 384, 101 tokens.
+QUICK_START = Architecture(
+    family="qwen2", value_model=False, num_layers=4, hidden_size=128, num_attention_heads=4, num_kv_heads=2,
+    head_dim=32, ffn_hidden_size=384, vocab_size=101, max_position_embeddings=512, rope_theta=1e4,
+    rope_type="default", rope_factor=1.0, rms_norm_eps=1e-6, tie_word_embeddings=True, qkv_bias=True, qk_norm=False,
+    initializer_range=0.02,
+)
+
+
+def test_quick_start_groups_share_and_long_responses_do_not():
+    """Per layer and token the linear layers take 128 x (2 x 128 + 2 x 64) + 3 x 128 x 384 = 196,608
+    multiply-adds, attention 2 x 128 = 256 per (query, key) pair. 8 responses of 8 tokens to a 16-token
+    prompt: one row of 80 tokens, 80 x 196,608 + 80^2 x 256 = 17.4M, against 8 rows of 24,
+    8 x (24 x 196,608 + 24^2 x 256) = 38.9M: shared. Of 1,024 tokens: 8,208 x 196,608 + 8,208^2 x 256
+    = 18.9G against 8 x (1,040 x 196,608 + 1,040^2 x 256) = 3.85G: the square of the shared row loses
+    (4.9x; the output layer, 128 x 101 a token, is small beside them)."""
+    assert sharing_off_reason(QUICK_START, "local", PromptGroups(8, 16, 8)) is None
+    reason = sharing_off_reason(QUICK_START, "local", PromptGroups(8, 16, 1024))
+    assert reason.startswith("attention over one row of 16 + 8 x 1024 tokens per prompt costs more")
+    assert "(4.8" in reason
+
+
+@pytest.mark.parametrize(("arch", "layer_spec", "samples", "reason"), [
+    (QUICK_START, "local", 1, "rollout.n = 1: no prompt repeats"),
+    (dataclasses.replace(QUICK_START, num_experts=4, moe_topk=2, moe_ffn_hidden_size=64), "local", 8,
+     "mixture-of-experts models do not share prompts"),
+    (QUICK_START, "transformer_engine", 8, "Transformer Engine's attention takes no per-row mask"),
+], ids=["one-sample", "moe", "te-layers"])
+def test_sharing_is_off_where_it_cannot_pay_or_run(arch, layer_spec, samples, reason):
+    assert sharing_off_reason(arch, layer_spec, PromptGroups(samples, 16, 8)).startswith(reason)

@@ -4,7 +4,7 @@ configuration it gets on CUDA (its own checks run when the config is built, no G
   models only (megatron trains MoE at TP > 1 with it alone), on every device: megatron's torch norm,
   which the local layers use, asserts it away unless `cpu_compat`'s bridge (applied on CUDA too) builds it;
 - RoPE fusion with TE's layers only: the local layers keep megatron's unfused RoPE, which takes the
-  per-row positions of `share_prompt_forward`;
+  per-row positions of shared prompts;
 - gradient-accumulation fusion with TE's layers and Apex's `fused_weight_gradient_mlp_cuda` only
   (megatron refuses to build a model that asks for it without the extension).
 """
@@ -85,15 +85,3 @@ def test_megatron_accepts_the_cuda_configuration_without_transformer_engine(monk
     assert config.sequence_parallel == moe and not config.apply_rope_fusion and not config.gradient_accumulation_fusion
 
 
-def test_shared_prompts_get_the_local_layers_where_transformer_engine_is_usable(monkeypatch):
-    """`share_prompt_forward` (the quick start's config) needs per-row masks and RoPE positions: with
-    model.layer_spec=auto it builds the local layers, unfused RoPE, on a GPU with TE as elsewhere; asked
-    for TE's layers by name, it is refused naming the keys."""
-    monkeypatch.setattr(device, "cuda", lambda: True)
-    monkeypatch.setattr(device, "transformer_engine", lambda: True)
-    assert builder.resolve_layer_spec("auto") == "transformer_engine"
-    assert builder.resolve_layer_spec("auto", shared_prompts=True) == "local"
-    assert builder.resolve_layer_spec("local", shared_prompts=True) == "local"
-    assert not builder.fused_kernels(builder.resolve_layer_spec("auto", shared_prompts=True), 2)["apply_rope_fusion"]
-    with pytest.raises(ValueError, match=r"share_prompt_forward=true .* model\.layer_spec=auto or local"):
-        builder.resolve_layer_spec("transformer_engine", shared_prompts=True)
