@@ -10,14 +10,18 @@ megatron's fused linears:
     linear_fc1        gate_proj, up_proj       column   whole                       this TP rank's rows
     linear_fc2        down_proj                row      this TP rank's columns      whole
 
-(mixture-of-experts layers: attention only, for now). Column-parallel: every TP
-rank computes h = A x, then its rows B_r h; in backward the gradient of h is summed over TP
+The routed experts of a mixture-of-experts layer adapt as PEFT adapts transformers' fused expert weights
+(`target_parameters`): gate_proj and up_proj together are one adapter on each expert's linear_fc1 ([gate; up]) of
+twice the rank (PEFT's rank_pattern), down_proj one on its linear_fc2, scaled by alpha / r as the others.
+
+Column-parallel: every TP rank computes h = A x, then its rows B_r h; in backward the gradient of h is summed over TP
 (`copy_to_tensor_model_parallel_region`), so A gets the whole gradient on every rank. Row-parallel: h is the
 sum over TP of A_r x_r (`reduce_from_tensor_model_parallel_region`), then B h. The fused layouts are kept:
 linear_qkv's output is, per local query group g, [q_g; k_g; v_g], linear_fc1's [gate; up]; a target left out
-contributes zeros. The adapter is a module of the transformer layer (`decoder.layers.<i>.lora_<linear>`, so that
-its sharded checkpoint entries get the layer's pipeline offset), added to the linear's output by a forward hook:
-the base weights keep their names.
+contributes zeros. The adapter is a module of the transformer layer (`decoder.layers.<i>.lora_<linear>`) or of the
+routed expert (`...experts.local_experts.<j>.lora_linear_fc1`), so that its sharded checkpoint entries get the
+layer's pipeline offset and the expert's index; a forward hook adds it to the linear's output: the base weights
+keep their names.
 
 A starts as PEFT starts it (uniform in +-1/sqrt(in), drawn for the whole tensor from a seed of the layer and
 target, then sliced, so every layout starts from the same adapter) and B at zero: training starts at the base
@@ -38,6 +42,7 @@ from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
 )
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
 
 from megarl.models.architecture import Architecture
@@ -46,6 +51,8 @@ from megarl.seeding import derive_seed
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 TARGETS = ATTENTION_TARGETS + MLP_TARGETS
+EXPERT_TARGETS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+"""A routed expert's adapted weights (transformers' fused names) and the targets that adapt each."""
 ADAPTER_PREFIX = "lora_"
 """An adapter's name in its layer: `lora_` and its linear's path (`lora_self_attention_linear_qkv`); its parameters
 `A_<target>` and `B_<target>`."""
@@ -72,20 +79,21 @@ class _Part:
     """The whole A's input width (row-parallel: all TP ranks' columns)."""
     out_features: int
     """The whole B's output height (column-parallel: all TP ranks' rows)."""
+    rank: int
 
 
 class LoRAAdapter(torch.nn.Module):
     def __init__(self, linear: torch.nn.Module, linear_path: str, kind: str, parts: list[_Part],
-                 settings: LoRASettings, layer: int, seed: int, groups: int = 1):
+                 settings: LoRASettings, layer: int, seed: int, groups: int = 1, expert: int | None = None):
         """`kind`: "column" or "row"; `parts`: the fused linear's targets in its order, those not in
         `settings.target_modules` left out of the sum; `groups`: linear_qkv's query groups (its output
-        interleaves the parts per group)."""
+        interleaves the parts per group); `expert`: the routed expert's index in its layer."""
         super().__init__()
         if getattr(linear, "sequence_parallel", False):
             raise ValueError("actor.lora with sequence parallelism (Transformer Engine's layers at TP>1) is not "
                              "supported; set model.layer_spec=local")
         self.linear_path, self.kind, self.parts, self.settings, self.groups = linear_path, kind, parts, settings, groups
-        self.layer = layer
+        self.layer, self.expert = layer, expert
         """The decoder layer's number in the whole model (HF's `model.layers.<layer>`)."""
         self.group = linear.tp_group
         tp, tp_rank = self.group.size(), self.group.rank()
@@ -94,28 +102,32 @@ class LoRAAdapter(torch.nn.Module):
         self.dropout = torch.nn.Dropout(settings.dropout) if settings.dropout else torch.nn.Identity()
         weight = linear.weight
         for part in parts:
-            if part.target not in settings.target_modules:
+            if part.target not in self.targets():
                 continue
-            generator = torch.Generator().manual_seed(derive_seed(seed, f"lora {part.target}", step=layer))
+            name = f"lora {part.target}" + ("" if expert is None else f" expert {expert}")
+            generator = torch.Generator().manual_seed(derive_seed(seed, name, step=layer))
             bound = 1 / math.sqrt(part.in_features)
-            a = (torch.rand(settings.rank, part.in_features, generator=generator) * 2 - 1) * bound
+            a = (torch.rand(part.rank, part.in_features, generator=generator) * 2 - 1) * bound
             if kind == "row":
                 width = part.in_features // tp
                 a = a[:, tp_rank * width:(tp_rank + 1) * width]
-                b = torch.zeros(part.out_features, settings.rank)
+                b = torch.zeros(part.out_features, part.rank)
             else:
-                b = torch.zeros(part.out_features // tp, settings.rank)
+                b = torch.zeros(part.out_features // tp, part.rank)
             a = torch.nn.Parameter(a.to(weight.device, weight.dtype).contiguous())
             b = torch.nn.Parameter(b.to(weight.device, weight.dtype))
             # The split half is a tensor-parallel shard (its `partition_dim` says along which dim; gradient norms
             # sum it over TP); the other is replicated.
             split, dim = (a, 1) if kind == "row" else (b, 0)
             set_tensor_model_parallel_attributes(split, is_parallel=True, dim=dim, stride=1)
+            for parameter in (a, b):
+                # A routed expert's adapter is reduced over the expert data-parallel ranks, as its linear is.
+                parameter.allreduce = getattr(weight, "allreduce", True)
             self.register_parameter(f"A_{part.target}", a)
             self.register_parameter(f"B_{part.target}", b)
 
     def targets(self) -> list[str]:
-        return [part.target for part in self.parts if part.target in self.settings.target_modules]
+        return [part.target for part in self.parts if _targeted(part.target, self.settings)]
 
     def pair(self, target: str) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's (A, B) of `target`."""
@@ -167,14 +179,18 @@ class LoRAAdapter(torch.nn.Module):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """Checkpoint entries: the split half of each pair sharded over TP, the other replicated."""
+        # The linear's own TP group (a routed expert's: the expert TP group; its experts' layer sets the replicas
+        # along the expert data-parallel ranks).
+        groups = {"tp_group": self.group, "dp_cp_group": ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"]}
         entries = {}
         for name, parameter in self.named_parameters():
             key = f"{prefix}{name}"
             if getattr(parameter, "tensor_model_parallel", False):
                 entries[key] = make_tp_sharded_tensor_for_checkpoint(parameter, key, parameter.partition_dim,
-                                                                     prepend_offsets=sharded_offsets)
+                                                                     prepend_offsets=sharded_offsets, **groups)
             else:
-                entries[key] = make_sharded_tensor_for_checkpoint(parameter, key, prepend_offsets=sharded_offsets)
+                entries[key] = make_sharded_tensor_for_checkpoint(parameter, key, prepend_offsets=sharded_offsets,
+                                                                  **groups)
         return entries
 
 
@@ -188,40 +204,71 @@ def _add_delta(adapter: LoRAAdapter, linear: torch.nn.Module, args: tuple, outpu
 def apply_lora(model: torch.nn.Module, arch: Architecture, settings: LoRASettings, seed: int = 0) -> list[LoRAAdapter]:
     """Attach adapters to the targeted linears of this rank's model stage and freeze everything else (but a value
     model's head). `seed` draws the A matrices (the same adapters at every layout)."""
-    if arch.mla is not None and set(settings.target_modules) & set(ATTENTION_TARGETS):
-        raise ValueError(f"config key 'actor.lora.target_modules' = {list(settings.target_modules)}: LoRA on "
-                         "multi-latent attention is not supported; allowed: gate_proj, up_proj, down_proj")
+    _check_targets(arch, settings)
     for name, parameter in model.named_parameters():
         # A value model's head (`output_layer.score`, new on a causal LM's backbone) trains whole, as PEFT's
         # modules_to_save keeps a classifier head.
         parameter.requires_grad_(arch.value_model and name.startswith("output_layer.score."))
     adapters = []
-    d, hidden = arch.head_dim, arch.hidden_size
+    d, hidden, r = arch.head_dim, arch.hidden_size, settings.rank
     for layer in model.decoder.layers:
         number = layer.layer_number - 1
         linears = []
         if arch.mla is None:
             q_rows, kv_rows = arch.num_attention_heads * d, arch.num_kv_heads * d
-            qkv = [_Part("q_proj", hidden, q_rows), _Part("k_proj", hidden, kv_rows), _Part("v_proj", hidden, kv_rows)]
-            linears += [("self_attention.linear_qkv", "column", qkv, arch.num_kv_heads),
-                        ("self_attention.linear_proj", "row", [_Part("o_proj", q_rows, hidden)], 1)]
+            qkv = [_Part("q_proj", hidden, q_rows, r), _Part("k_proj", hidden, kv_rows, r),
+                   _Part("v_proj", hidden, kv_rows, r)]
+            linears += [(layer, "self_attention.linear_qkv", "column", qkv, arch.num_kv_heads, None),
+                        (layer, "self_attention.linear_proj", "row", [_Part("o_proj", q_rows, hidden, r)], 1, None)]
         if not arch.is_moe_layer(number):
             ffn = arch.ffn_hidden_size
-            gate_up = [_Part("gate_proj", hidden, ffn), _Part("up_proj", hidden, ffn)]
-            linears += [("mlp.linear_fc1", "column", gate_up, 1),
-                        ("mlp.linear_fc2", "row", [_Part("down_proj", ffn, hidden)], 1)]
+            gate_up = [_Part("gate_proj", hidden, ffn, r), _Part("up_proj", hidden, ffn, r)]
+            linears += [(layer, "mlp.linear_fc1", "column", gate_up, 1, None),
+                        (layer, "mlp.linear_fc2", "row", [_Part("down_proj", ffn, hidden, r)], 1, None)]
         elif set(settings.target_modules) & set(MLP_TARGETS):
-            raise ValueError(f"config key 'actor.lora.target_modules' = {list(settings.target_modules)}: LoRA on "
-                             "the experts of mixture-of-experts layers is not supported yet; allowed on "
-                             f"{arch.family}: {', '.join(ATTENTION_TARGETS)}")
-        for path, kind, parts, groups in linears:
-            if any(part.target in settings.target_modules for part in parts):
-                linear = layer.get_submodule(path)
-                adapter = LoRAAdapter(linear, path, kind, parts, settings, number, seed, groups)
-                layer.add_module(ADAPTER_PREFIX + path.replace(".", "_"), adapter)
+            experts = layer.mlp.experts
+            if not hasattr(experts, "local_experts"):
+                raise ValueError("actor.lora on routed experts needs one linear per expert (megatron's local layers, "
+                                 "not Transformer Engine's grouped GEMM); set model.layer_spec=local")
+            if experts.tp_group.size() > 1:
+                # linear_fc1's shard is [gate_t; up_t]: its rows of the fused B are not one slice.
+                raise ValueError("actor.lora on routed experts needs expert tensor parallelism 1; set "
+                                 "actor.etp=1")
+            first = layer.mlp.local_expert_indices[0]
+            ffn = arch.moe_ffn_hidden_size
+            for i, expert in enumerate(experts.local_experts):
+                linears += [(expert, "linear_fc1", "column", [_Part("gate_up_proj", hidden, 2 * ffn, 2 * r)], 1,
+                             first + i),
+                            (expert, "linear_fc2", "row", [_Part("down_proj", ffn, hidden, r)], 1, first + i)]
+        for owner, path, kind, parts, groups, expert in linears:
+            if any(_targeted(part.target, settings) for part in parts):
+                linear = owner.get_submodule(path)
+                adapter = LoRAAdapter(linear, path, kind, parts, settings, number, seed, groups, expert)
+                owner.add_module(ADAPTER_PREFIX + path.replace(".", "_"), adapter)
                 linear.register_forward_hook(functools.partial(_add_delta, adapter))
                 adapters.append(adapter)
     return adapters
+
+
+def _targeted(target: str, settings: LoRASettings) -> bool:
+    return all(name in settings.target_modules for name in EXPERT_TARGETS.get(target, (target,)))
+
+
+def _check_targets(arch: Architecture, settings: LoRASettings) -> None:
+    """ValueError naming `actor.lora.target_modules` for targets this architecture's adapters cannot take."""
+    targets = set(settings.target_modules)
+    key = f"config key 'actor.lora.target_modules' = {sorted(targets)}"
+    if arch.mla is not None and targets & set(ATTENTION_TARGETS):
+        raise ValueError(f"{key}: LoRA on multi-latent attention is not supported; allowed: "
+                         f"{', '.join(MLP_TARGETS)}")
+    if not arch.is_moe or not targets & set(MLP_TARGETS):
+        return
+    if arch.family == "mixtral" or arch.dense_layers or arch.shared_expert_ffn_hidden_size:
+        raise ValueError(f"{key}: LoRA on the MLPs of {arch.family} (dense or shared-expert MLPs beside the routed "
+                         f"experts, or Mixtral's w1/w2/w3) is not supported; allowed: {', '.join(ATTENTION_TARGETS)}")
+    if ("gate_proj" in targets) != ("up_proj" in targets):
+        raise ValueError(f"{key}: a routed expert's gate_proj and up_proj are one fused weight (gate_up_proj); "
+                         "target both or neither")
 
 
 def adapters_of(model: torch.nn.Module) -> dict[str, LoRAAdapter]:

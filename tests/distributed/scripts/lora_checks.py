@@ -1,4 +1,5 @@
-"""LoRA at one layout against PEFT, on a PEFT adapter whose A and B are both non-zero:
+"""LoRA at one layout against PEFT, on a PEFT adapter whose A and B are both non-zero (on a mixture of experts, the
+routed experts' too):
 
 - the actor's logits with the adapter imported equal PEFT's on the same base (fp32), and with the adapters off
   `transformers`' base model's (the reference model a LoRA run uses);
@@ -27,7 +28,7 @@ from megarl.engine.forward import forward_outputs, gather_vocab
 from megarl.engine.megatron_engine import MegatronEngine
 from megarl.engine.parity import tokenize
 from megarl.models.hf_interop import gather_hf_state_dict
-from megarl.models.lora import adapters_disabled, merged_weights
+from megarl.models.lora import EXPERT_TARGETS, adapters_disabled, merged_weights
 from megarl.models.peft_adapter import WEIGHTS_FILE, export_peft
 
 parser = argparse.ArgumentParser()
@@ -36,12 +37,16 @@ parser.add_argument("--adapter", required=True)
 parser.add_argument("--out", required=True)
 parser.add_argument("--tp", type=int, default=1)
 parser.add_argument("--pp", type=int, default=1)
+parser.add_argument("--ep", type=int, default=1)
 args = parser.parse_args()
 
-layout = init_layout(tp=args.tp, pp=args.pp)
+layout = init_layout(tp=args.tp, pp=args.pp, ep=args.ep)
 adapter_config = json.loads((Path(args.adapter) / "adapter_config.json").read_text())
-lora = LoRAConfig(rank=adapter_config["r"], alpha=adapter_config["lora_alpha"],
-                  target_modules=sorted(adapter_config["target_modules"]), adapter_path=args.adapter)
+# PEFT names a routed expert's targets by transformers' fused weights (target_parameters).
+targets = {*adapter_config["target_modules"],
+           *(target for weight in adapter_config.get("target_parameters") or [] for target in EXPERT_TARGETS[weight])}
+lora = LoRAConfig(rank=adapter_config["r"], alpha=adapter_config["lora_alpha"], target_modules=sorted(targets),
+                  adapter_path=args.adapter)
 engine = MegatronEngine(layout, ModelConfig(path=args.model, layer_spec="local"),
                         EngineConfig(micro_batch_size_per_rank=2, optim=OptimizerConfig(lr=1e-2), lora=lora),
                         total_optimizer_steps=10)
@@ -70,8 +75,26 @@ with adapters_disabled(engine.module):
     report["base_logits_diff"] = largest_difference(base_logits)
 report["peft_vs_base_logits_diff"] = (peft_logits - base_logits)[mask_BT].abs().max().item()
 
+
+
+def per_expert(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' fused expert weights as a checkpoint names them, one tensor per expert and projection."""
+    named = {}
+    for name, tensor in state_dict.items():
+        if name.endswith(".experts.gate_up_proj"):
+            for expert, (gate, up) in enumerate(weight.chunk(2) for weight in tensor):
+                named[name.replace("gate_up_proj", f"{expert}.gate_proj.weight")] = gate
+                named[name.replace("gate_up_proj", f"{expert}.up_proj.weight")] = up
+        elif name.endswith(".experts.down_proj"):
+            named.update((name.replace("down_proj", f"{expert}.down_proj.weight"), down)
+                         for expert, down in enumerate(tensor))
+        else:
+            named[name] = tensor
+    return named
+
+
 # The served weights, gathered whole: PEFT's merged model.
-merged = peft_model.merge_and_unload().state_dict()
+merged = per_expert(peft_model.merge_and_unload().state_dict())
 engine_view = gather_hf_state_dict(engine.module, engine.arch, layout)
 report["served_vs_peft_merged_diff"] = max((tensor - merged[name]).abs().max().item()
                                            for name, tensor in engine_view.items())
@@ -86,8 +109,9 @@ if dist.get_rank() == 0:
 
 # One optimizer step.
 generator = torch.Generator().manual_seed(0)
-batch = SequenceBatch(torch.randint(5, 100, (4, 20), generator=generator), torch.tensor([4, 6, 3, 5]),
-                      torch.tensor([9, 12, 5, 14]))
+# Eight sequences: enough tokens that the router sends some to every expert of every layer.
+batch = SequenceBatch(torch.randint(5, 100, (8, 24), generator=generator), torch.tensor([4, 6, 3, 5, 7, 2, 8, 4]),
+                      torch.tensor([9, 12, 5, 14, 16, 20, 10, 19]))
 base_before = {name: p.detach().clone() for name, p in engine.module.named_parameters() if not p.requires_grad}
 adapters_before = {name: p.detach().clone() for name, p in engine.module.named_parameters() if p.requires_grad}
 
@@ -121,7 +145,8 @@ report["adapters_changed"] = all(not torch.equal(p, adapters_before[name])
                                  for name, p in engine.module.named_parameters() if name in adapters_before)
 report["trainable_names_are_adapters"] = all(".lora_" in name for name in adapters_before)
 report["adapter_elements"] = sum(p.numel() for p in adapters_before.values())
-report["grad_buffer_elements"] = sum(buffer.numel_unpadded for buffer in engine.model.buffers)
+report["grad_buffer_elements"] = sum(buffer.numel_unpadded
+                                     for buffer in engine.model.buffers + engine.model.expert_parallel_buffers)
 report["grad_norm"] = metrics["grad_norm"]
 every_rank = collectives.all_gather_object(report)
 if dist.get_rank() == 0:
