@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,12 +30,14 @@ from megarl.config.schema import (
     PRIME_UPDATES,
     RESUME_MODES,
     EngineConfig,
+    JudgeConfig,
     MultiTurnConfig,
     RolloutCorrectionConfig,
     RunConfig,
 )
 from megarl.messages import one_line
 from megarl.models.lora import TARGETS as LORA_TARGETS
+from megarl.rewards.judge import check_template
 
 
 class ConfigError(ValueError):
@@ -111,6 +114,8 @@ def validate(config: RunConfig) -> None:
     _check_at_least("trainer.total_steps", config.trainer.total_steps, 1)
     _check_at_least("trainer.log_freq", config.trainer.log_freq, 1)
     _check_multi_turn(config.rollout.multi_turn)
+    if config.reward.judge.path:
+        _check_judge(config.reward.judge, config)
     for logger in config.trainer.loggers:
         _check_choice("trainer.loggers", logger, LOGGERS)
     _check_choice("trainer.resume_mode", config.trainer.resume_mode, RESUME_MODES)
@@ -172,6 +177,38 @@ def _check_multi_turn(multi_turn: MultiTurnConfig) -> None:
     _check_at_least("rollout.multi_turn.max_tool_output_chars", multi_turn.max_tool_output_chars, 1)
     for name in ("cpu_seconds", "memory_mib", "max_processes", "max_file_mib"):
         _check_at_least(f"rollout.multi_turn.sandbox.{name}", getattr(multi_turn.sandbox, name), 1)
+
+
+def _check_judge(judge: JudgeConfig, config: RunConfig) -> None:
+    """A judge's rubric, verdict scale and budgets; and what it does not run with (each named by its key)."""
+    prefix = "config key 'reward.judge"
+    if not judge.template:
+        raise ConfigError(f"{prefix}.template' is required with reward.judge.path; allowed: the judge's prompt with "
+                          "{prompt}, {response} and {ground_truth}")
+    try:
+        check_template(judge.template)
+    except ValueError as error:
+        raise ConfigError(f"{prefix}.template' = {judge.template!r} {error}") from None
+    for word, score in judge.choices.items():
+        if not word.strip() or not math.isfinite(score):
+            raise ConfigError(f"{prefix}.choices' = {{{word!r}: {score}}} is not allowed; allowed: verdict words with "
+                              "finite scores")
+    if not judge.max_score > 0:
+        raise ConfigError(f"{prefix}.max_score' = {judge.max_score} is out of range; allowed: numbers > 0")
+    if not 0 <= judge.rule_weight <= 1:
+        raise ConfigError(f"{prefix}.rule_weight' = {judge.rule_weight} is out of range; allowed: [0, 1]")
+    if not 0 < judge.gpu_memory_utilization < 1:
+        raise ConfigError(f"{prefix}.gpu_memory_utilization' = {judge.gpu_memory_utilization} is out of range; "
+                          "allowed: (0, 1)")
+    for name in ("max_tokens", "max_prompt_length", "kv_cache_mib"):
+        _check_at_least(f"reward.judge.{name}", getattr(judge, name), 1)
+    # A response is scored on its engine replica's first rank alone; a judge of TP > 1 would need all of them.
+    if config.rollout.tp != 1:
+        raise ConfigError(f"config key 'rollout.tp' = {config.rollout.tp} is not supported with reward.judge.path "
+                          "(the judge engine shares the rollout's TP and judges on one rank); allowed: 1")
+    if config.rollout.multi_turn.enable:
+        raise ConfigError("config key 'rollout.multi_turn.enable' = True is not supported with reward.judge.path "
+                          "(trajectories are scored without their prompts' text); allowed: false")
 
 
 def validate_layout(config: RunConfig, world_size: int) -> None:

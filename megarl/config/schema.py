@@ -565,6 +565,51 @@ class AlgorithmConfig:
 
 
 @dataclass
+class JudgeConfig:
+    """A generative reward model (`megarl.rewards.judge`): an HF causal LM prompted with a rubric, its verdict
+    parsed into each training response's reward, served by a rollout engine of `rollout.backend` in
+    `model.dtype` on every rank beside the policy's, with a memory share of its own. Validation keeps
+    scoring with `reward.function`: held-out accuracy is measured against the ground truth, not the judge."""
+
+    path: str = ""
+    """HF directory of the judge (config, weights, tokenizer); empty: no judge."""
+
+    template: str = ""
+    """The judge's prompt, in str.format syntax with the placeholders {prompt}, {response} and
+    {ground_truth} (literal braces doubled); the rubric is its text."""
+
+    apply_chat_template: bool = False
+    """Render the prompt as a user message with the judge tokenizer's chat template (instruction-tuned
+    judges); false: the text as it is."""
+
+    choices: dict[str, float] = field(default_factory=dict)
+    """The verdict words and each one's score, e.g. {correct: 1.0, wrong: 0.0}; the first found in the
+    verdict as a whole word counts. Empty: the verdict is the first number in it, in [0, max_score]."""
+
+    max_score: float = 10.0
+    """Number verdicts: the top of the scale; a verdict scores its number / max_score."""
+
+    max_tokens: int = 16
+    """The judge's token budget per verdict (greedy). A verdict that hits it without a parse counts as a
+    timeout (reward/judge_timeouts), one that stops without a parse as unparsable (reward/judge_unparsable);
+    both score 0 and neither stops the run."""
+
+    max_prompt_length: int = 1024
+    """The judge's longest prompt in its tokens; a longer one is not judged (a reward error, scored 0)."""
+
+    rule_weight: float = 0.0
+    """The reward function's share: score = (1 - rule_weight) * verdict + rule_weight * function's score;
+    0: the judge alone (the function is not called on training responses)."""
+
+    kv_cache_mib: int = 64
+    """The judge engine's KV cache on CPU, beside the policy engine's rollout.kv_cache_mib."""
+
+    gpu_memory_utilization: float = 0.1
+    """The fraction of GPU memory the judge engine takes for the whole run (GPU), beside the policy
+    engine's rollout.gpu_memory_utilization."""
+
+
+@dataclass
 class RewardConfig:
     function: str = ""
     """The scoring function, `path/to/file.py:function` or `pkg.module:function`, with the signature
@@ -576,6 +621,10 @@ class RewardConfig:
 
     reward_model_path: str = ""
     """HF value model (*ForTokenClassification) scoring responses; its score adds to the rule score."""
+
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """A generative reward model (LLM judge) scoring the training responses instead of, or mixed with, the
+    reward function."""
 
 
 @dataclass

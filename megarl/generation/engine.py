@@ -36,6 +36,16 @@ class EngineSettings:
                    rollout.gpu_memory_utilization, config.trainer.seed, rollout.bucket_mib << 20)
 
 
+    @classmethod
+    def of_judge(cls, config: RunConfig) -> EngineSettings:
+        """The judge's engine (`reward.judge`): the rollout's backend and TP, the judge's own model and memory
+        share, long enough for its longest prompt and verdict."""
+        judge, rollout = config.reward.judge, config.rollout
+        return cls(rollout.backend, judge.path, config.model.dtype, rollout.tp,
+                   judge.max_prompt_length + judge.max_tokens, judge.kv_cache_mib << 20, judge.gpu_memory_utilization,
+                   config.trainer.seed, rollout.bucket_mib << 20)
+
+
 def start_rollout_engine(settings: EngineSettings, dummy_weights: bool) -> RolloutEngine:
     """An engine replica of `settings.tp` consecutive ranks (collective over the world). `dummy_weights`:
     start with placeholder weights, for a weight sync to fill (reading the checkpoint would be wasted)."""

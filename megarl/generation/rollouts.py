@@ -155,15 +155,20 @@ def collect_rollouts(prompts: list[Prompt], engine: RolloutEngine, sampling: Sam
             rollouts.routed_experts[start * n : stop * n] = output.routed_experts
         if rank % engine_tp == 0:  # the replica's other ranks hold the same responses
             texts = tokenizer.batch_decode(output.response_ids, skip_special_tokens=True)
-            result = score_responses(rewards, rollouts.prompts[start * n : stop * n], texts)
+            prompt_texts = tokenizer.batch_decode([p.prompt_ids for p in prompts[start:stop]], skip_special_tokens=True)
+            result = score_responses(rewards, rollouts.prompts[start * n : stop * n], texts,
+                                     [text for text in prompt_texts for _ in range(n)])
     share_scores(rollouts, output, result, start * n)
     return rollouts
 
 
-def score_responses(rewards: RewardManager, prompts: list[Prompt], texts: list[str]) -> RewardResult:
-    """Each response text scored against its prompt's ground truth (a failure names the prompt's file and row)."""
-    return rewards.score([ScoringItem(prompt.data_source, text, prompt.ground_truth, prompt.extra_info, prompt.origin)
-                          for prompt, text in zip(prompts, texts)])
+def score_responses(rewards: RewardManager, prompts: list[Prompt], texts: list[str],
+                    prompt_texts: list[str] | None = None) -> RewardResult:
+    """Each response text scored against its prompt's ground truth (a failure names the prompt's file and row);
+    `prompt_texts`: the prompts' texts, for a judge (multi-turn rollouts pass none: a judge is refused there)."""
+    prompt_texts = prompt_texts or [""] * len(prompts)
+    return rewards.score([ScoringItem(prompt.data_source, text, prompt.ground_truth, prompt.extra_info, prompt.origin,
+                                      prompt_text) for prompt, text, prompt_text in zip(prompts, texts, prompt_texts)])
 
 
 def unfilled_rollouts(prompts: list[Prompt], n: int, engine_tp: int) -> tuple[Rollouts, tuple[int, int]]:

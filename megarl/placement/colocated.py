@@ -19,6 +19,7 @@ from megarl.config.schema import RunConfig
 from megarl.data.dataset import Prompt
 from megarl.generation.collector import RolloutCollector
 from megarl.generation.inputs import RunInputs
+from megarl.generation.judge import training_rewards
 from megarl.generation.policy import RolloutPolicy
 from megarl.generation.rollouts import Rollouts
 from megarl.generation.validation import validation_metrics
@@ -31,7 +32,8 @@ class ColocatedPlacement(Placement):
     def __init__(self, config: RunConfig, inputs: RunInputs, policy: RolloutPolicy, needs_greedy_baseline: bool):
         self.config, self.inputs, self.policy = config, inputs, policy
         self.needs_greedy_baseline = needs_greedy_baseline
-        self.collector = RolloutCollector(config, inputs.tokenizer, inputs.rewards)
+        self.collector = RolloutCollector(config, inputs.tokenizer, training_rewards(config, inputs.rewards),
+                                          inputs.rewards)
 
     def start(self, start_step: int, sampler_state: dict, saved: dict) -> None:
         pass  # the trainer's sampler is the one that draws the prompts; no state of its own

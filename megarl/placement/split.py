@@ -44,6 +44,7 @@ from megarl.distributed.split_world import SplitWorld
 from megarl.generation.collector import RolloutCollector
 from megarl.generation.engine import EngineSettings, start_rollout_engine
 from megarl.generation.inputs import RunInputs
+from megarl.generation.judge import training_rewards
 from megarl.generation.rollouts import Rollouts, move_responses
 from megarl.generation.validation import validation_metrics
 from megarl.models.architecture import Architecture
@@ -129,7 +130,8 @@ class RolloutWorker:
         rollout = config.rollout
         self.engine = start_rollout_engine(EngineSettings.of_run(config), dummy_weights=True)
         self.sync = CrossGroupSync(world, rollout.tp, rollout.bucket_mib << 20, engine=self.engine)
-        self.collector = RolloutCollector(config, inputs.tokenizer, inputs.rewards)
+        self.collector = RolloutCollector(config, inputs.tokenizer, training_rewards(config, inputs.rewards),
+                                          inputs.rewards)
         self.engine_version: int | None = None
         self.last_sync: SyncStats | None = None
         """The latest sync's statistics, sent with the next batch generated."""

@@ -38,6 +38,9 @@ class ScoringItem:
     extra_info: dict | None = None
     origin: str = ""
     """Where the item's prompt was read (`FILE: row N`), named when scoring it fails."""
+    prompt: str = ""
+    """The prompt's text as the policy read it, special tokens dropped: what a judge is shown
+    (`megarl.rewards.judge`); '' where the caller has none."""
 
 
 @dataclass

@@ -60,6 +60,8 @@ def parse_config(argv: Sequence[str], rl: bool) -> RunConfig:
     require(["core", *(["vllm"] if rl and config.rollout.backend == "vllm" else []),  # SFT generates nothing
              *(["mlflow"] if "mlflow" in config.trainer.loggers else [])])
     require_hf_directory("model.path", config.model.path)
+    if rl and config.reward.judge.path:
+        require_hf_directory("reward.judge.path", config.reward.judge.path)
     if rl and config.teacher.path:
         from megarl.trainer.teacher import check_shared_tokenizer
 

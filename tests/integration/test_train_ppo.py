@@ -17,10 +17,12 @@ import sys
 
 import mlflow
 import pytest
+import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from megarl.data.dataset import load_rows
 from megarl.data.synthetic import make_arithmetic
 from tests.conftest import ROOT, assert_succeeded, torchrun
 
@@ -254,6 +256,76 @@ def test_prime_at_tp2_trains_its_prm_on_the_outcome_labels(tiny_models, arithmet
     assert before[0] == 0.5 and _values(run_dir, "quickstart_prime", "prime/prm_loss")[0] == pytest.approx(math.log(2))
     # The cross-entropy step raises the PRM's accuracy at telling the step's correct responses from the others.
     assert all(a > b for a, b in zip(after, before)), (before, after)
+
+
+JUDGE_TEMPLATE = "Q {prompt}{response} key {ground_truth} score"
+JUDGE_CHOICES = {"o": 1.0, "d": 0.0}
+
+
+def _judged(tokenizer, model, prompt: str, response: str, ground_truth: str) -> tuple[float | None, bool]:
+    """The judge's one-token verdict by transformers' greedy generation, and its score by JUDGE_CHOICES (None for
+    another token): (the score, whether the judge wrote a token rather than stopping)."""
+    text = JUDGE_TEMPLATE.format(prompt=prompt, response=response, ground_truth=ground_truth)
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    new = model.generate(ids, max_new_tokens=1, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
+    return JUDGE_CHOICES.get(tokenizer.decode(new, skip_special_tokens=True).lower()), new != [tokenizer.eos_token_id]
+
+
+def test_grpo_rewarded_by_a_judge_mixed_with_the_rule(tiny_models, arithmetic, tmp_path, monkeypatch):
+    # Two processes, each with the policy's vLLM engine and a judge's beside it: a random tiny model, whose one-token
+    # verdicts are whatever it writes; two of its favourite characters are the choices, so that some verdicts are
+    # read and others are not. Each step's rewards are recomputed here from the responses the rule function was
+    # called with: the judge's greedy verdicts by transformers, read by hand, mixed half and half with the parity the
+    # function scores; the validation is the function's alone.
+    calls = tmp_path / "calls"
+    calls.mkdir()
+    monkeypatch.setenv("MEGARL_TEST_REWARD_CALLS", str(calls))
+    judge = tiny_models["qwen2-tied"]
+    result = torchrun(2, ROOT / "launchers/train_ppo.py", "--config", "configs/quickstart.yaml",
+                      *_overrides(tiny_models["qwen3-tied"], arithmetic, tmp_path, f"reward.function={USER_REWARD}",
+                                  f"reward.judge.path={judge}", f"reward.judge.template={JUDGE_TEMPLATE}",
+                                  "reward.judge.choices={o: 1.0, d: 0.0}", "reward.judge.max_tokens=1",
+                                  "reward.judge.rule_weight=0.5", "reward.judge.max_prompt_length=48"),
+                      timeout=600)
+    assert_succeeded(result)
+    run = tmp_path / "quickstart_grpo"
+    train = {row["extra_info"]["index"]: row for row in load_rows([arithmetic[0]])}
+    steps = {1: [], 2: []}  # per process: its 2 prompts x 8 samples of step 1, then of step 2
+    validations = {0: [], 2: []}  # and its 4 validation prompts before training, then after the last step
+    for file in calls.iterdir():
+        lines = [json.loads(line) for line in file.read_text().splitlines()]
+        trained = [(index, response) for _, split, index, response in lines if split == "train"]
+        validated = [response for _, split, _, response in lines if split == "test"]
+        assert len(trained) == 32 and len(validated) == 8
+        steps[1] += trained[:16]
+        steps[2] += trained[16:]
+        validations[0] += validated[:4]
+        validations[2] += validated[4:]
+
+    def parity(response):
+        return sum(map(ord, response)) % 2
+
+    tokenizer = AutoTokenizer.from_pretrained(judge)
+    model = AutoModelForCausalLM.from_pretrained(judge, dtype=torch.float32)
+    parsed = 0
+    metrics = ("reward/mean", "reward/rule_score", "reward/judge_unparsable", "reward/judge_timeouts")
+    for step, scored in steps.items():
+        verdicts = [_judged(tokenizer, model, train[i]["prompt"][0]["content"], response,
+                            train[i]["reward_model"]["ground_truth"]) for i, response in scored]
+        rewards = [0.5 * (score or 0.0) + 0.5 * parity(response) for (score, _), (_, response) in zip(verdicts, scored)]
+        logged = {metric: dict(_history(run, "quickstart_grpo", metric))[step] for metric in metrics}
+        assert logged["reward/mean"] == pytest.approx(sum(rewards) / 32, abs=1e-6), step
+        assert logged["reward/rule_score"] == pytest.approx(sum(parity(r) for _, r in scored) / 32, abs=1e-6)
+        assert logged["reward/judge_unparsable"] == pytest.approx(
+            sum(score is None and not cut for score, cut in verdicts) / 32, abs=1e-6)
+        assert logged["reward/judge_timeouts"] == pytest.approx(
+            sum(score is None and cut for score, cut in verdicts) / 32, abs=1e-6)
+        parsed += sum(score is not None for score, _ in verdicts)
+    assert 0 < parsed < 64  # both kinds of verdict were met
+    for step, responses in validations.items():
+        validated = dict(_history(run, "quickstart_grpo", "val/score/mean"))[step]
+        assert validated == pytest.approx(sum(map(parity, responses)) / 8, abs=1e-6)
 
 
 def _launch_one(*args):
