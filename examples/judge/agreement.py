@@ -34,7 +34,7 @@ def main() -> None:
     init_process_group()  # the engine joins a world, of one process here
     judge = config.reward.judge
     rubric = JudgeRubric(judge.template, dict(judge.choices), judge.max_score)
-    result = JudgeRewards(JudgeEngine(config), rubric).score(items)
+    result = JudgeRewards(JudgeEngine.of_run(config), rubric).score(items)
     rule = [s["score"] for s in samples]
     agree = [j == r for j, r in zip(result.scores, rule)]
     right = [a for a, r in zip(agree, rule) if r >= 1]

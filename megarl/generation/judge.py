@@ -32,29 +32,38 @@ def training_rewards(config: RunConfig, rule: RewardManager) -> RewardManager | 
     if not judge.path:
         return rule
     rubric = JudgeRubric(judge.template, dict(judge.choices), judge.max_score, judge.rule_weight)
-    return JudgeRewards(JudgeEngine(config), rubric, rule)
+    return JudgeRewards(JudgeEngine.of_run(config), rubric, rule)
 
 
 class JudgeEngine:
     """Judge prompts in, greedy verdicts out, on the judge's engine."""
 
-    def __init__(self, config: RunConfig):
+    def __init__(self, engine: RolloutEngine, tokenizer, apply_chat_template: bool, max_prompt_length: int,
+                 sampling: Sampling):
+        self.engine, self.tokenizer, self.sampling = engine, tokenizer, sampling
+        self.apply_chat_template, self.max_prompt_length = apply_chat_template, max_prompt_length
+
+    @classmethod
+    def of_run(cls, config: RunConfig) -> JudgeEngine:
+        """The judge `reward.judge` names, its engine started (collective over the world)."""
         judge = config.reward.judge
-        self.tokenizer = AutoTokenizer.from_pretrained(judge.path)
-        self.apply_chat_template, self.max_prompt_length = judge.apply_chat_template, judge.max_prompt_length
-        self.engine: RolloutEngine = start_rollout_engine(EngineSettings.of_judge(config), dummy_weights=False)
-        eos = self.tokenizer.eos_token_id
-        self.sampling = Sampling(n=1, temperature=0.0, max_tokens=judge.max_tokens,
-                                 stop_token_ids=(eos,) if eos is not None else (),
-                                 seed=derive_seed(config.trainer.seed, "judge"))
+        tokenizer = AutoTokenizer.from_pretrained(judge.path)
+        eos = tokenizer.eos_token_id
+        sampling = Sampling(n=1, temperature=0.0, max_tokens=judge.max_tokens,
+                            stop_token_ids=(eos,) if eos is not None else (),
+                            seed=derive_seed(config.trainer.seed, "judge"))
+        engine = start_rollout_engine(EngineSettings.of_judge(config), dummy_weights=False)
+        return cls(engine, tokenizer, judge.apply_chat_template, judge.max_prompt_length, sampling)
 
     def __call__(self, prompts: list[str]) -> list[Verdict]:
+        """Each prompt as the user's message (the judge's chat template, or the text as it is), judged in one call;
+        a prompt over `max_prompt_length` tokens is not (its verdict carries the error)."""
         ids = unchecked_prompt_ids([[{"role": "user", "content": text}] for text in prompts], self.tokenizer,
                                    self.apply_chat_template)
-        fits = [i for i, row in enumerate(ids) if len(row) <= self.max_prompt_length]
         verdicts = {i: Verdict("", error=f"its prompt has {len(row)} tokens, over reward.judge.max_prompt_length = "
                                          f"{self.max_prompt_length}")
                     for i, row in enumerate(ids) if len(row) > self.max_prompt_length}
+        fits = [i for i in range(len(ids)) if i not in verdicts]
         if fits:
             output = self.engine.generate([ids[i] for i in fits], self.sampling)
             texts = self.tokenizer.batch_decode(output.response_ids, skip_special_tokens=True)
