@@ -7,7 +7,7 @@ OUT := outputs/quickstart
 TORCHRUN := $(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=2
 export OMP_NUM_THREADS := 1
 
-.PHONY: quickstart moe-quickstart mla-quickstart opd-quickstart lora-quickstart agent-quickstart test install docker-check gpu-wheels clean
+.PHONY: quickstart moe-quickstart mla-quickstart opd-quickstart lora-quickstart agent-quickstart judge-quickstart test install docker-check gpu-wheels clean
 
 # The main job on the embedded default: a tiny Qwen2 and its tokenizer made here, synthetic "a+b="
 # tasks, a short SFT warm start, then GRPO on 2 CPU processes (curves in $(OUT)/quickstart_grpo).
@@ -62,6 +62,24 @@ agent-quickstart: $(INSTALLED)
 		--num-train 4000 --num-test 200 --seed 0
 	$(TORCHRUN) launchers/train_sft.py --config configs/agent_quickstart_sft.yaml
 	$(TORCHRUN) launchers/train_ppo.py --config configs/agent_quickstart.yaml
+
+# The quick start rewarded by a generative judge, after `make quickstart` (its SFT model is the policy): the SFT
+# policy's sampled answers to training and held-out prompts, scored by the rule; a tiny Qwen2 judge fine-tuned on the
+# training ones to give the rule's verdict; its agreement with the rule on the held-out ones; then GRPO rewarded by
+# the judge, validated by the rule (curves in outputs/judge_quickstart/judge_quickstart_grpo; docs/recipes/judge.md).
+JUDGE := outputs/judge_quickstart
+judge-quickstart: $(INSTALLED)
+	$(TORCHRUN) launchers/generate.py --config configs/quickstart.yaml --output $(JUDGE)/data/candidates_train.jsonl \
+		data.val_files=[$(OUT)/data/train.parquet] data.max_val_samples=8000 rollout.val_n=4 rollout.val_temperature=1.0
+	$(TORCHRUN) launchers/generate.py --config configs/quickstart.yaml --output $(JUDGE)/data/candidates_test.jsonl \
+		rollout.val_n=4 rollout.val_temperature=1.0
+	$(PYTHON) examples/judge/make_data.py --config configs/judge_quickstart.yaml \
+		--samples $(JUDGE)/data/candidates_train.jsonl --out $(JUDGE)/data/judge_train.parquet
+	$(PYTHON) checkpoints_tools/make_tiny_model.py --family qwen2 --seed 1 --out $(JUDGE)/base
+	$(TORCHRUN) launchers/train_sft.py --config configs/judge_sft.yaml
+	$(PYTHON) examples/judge/agreement.py --config configs/judge_quickstart.yaml \
+		--samples $(JUDGE)/data/candidates_test.jsonl
+	$(TORCHRUN) launchers/train_ppo.py --config configs/judge_quickstart.yaml
 
 test: $(INSTALLED)
 	$(PYTHON) -m megarl.doctor --require core
