@@ -8,8 +8,10 @@ vLLM engines share vLLM's groups of the world (so they have one TP size, `rollou
 loader holds to 1: a response is scored on its replica's first rank alone, and a TP judge would need
 every rank of the replica). On CPU it has its own KV cache (`reward.judge.kv_cache_mib`) and its weights
 for the whole run; on GPU its share of memory (`reward.judge.gpu_memory_utilization`), awake throughout.
-It is never synced: the judge does not train. Verdicts are greedy, so a response's reward does not depend
-on which rank judged it.
+It is never synced (the judge does not train) and not shut down: vLLM's teardown destroys every process
+group of the process, which the policy engine's shutdown, the job's last collective call, still needs; the
+judge's engine ends with the process. Verdicts are greedy, so a response's reward does not depend on which
+rank judged it.
 """
 
 from __future__ import annotations
