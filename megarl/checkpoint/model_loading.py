@@ -47,10 +47,9 @@ def load_model(directory: Path, name: str, layout: ParallelLayout,
     if name == "critic":  # hf/ holds the actor's config; the critic is that backbone with a value head
         arch = dataclasses.replace(arch, value_model=True, tie_word_embeddings=False)
     model = build_model(arch, layout, dtype)
-    config = _run_config(directory)
-    lora = _lora_settings(config, name)
+    lora = _lora_settings(_run_config(directory), name)
     if lora is not None:
-        base = _base_path(config, name)
+        base = lora_base_model(directory, name)
         if not (Path(base) / "config.json").is_file():
             raise CheckpointError(f"{directory}: its {name} holds LoRA adapters on the base model {base}, which "
                                   "is gone; expected the HF directory the run started from there")
@@ -94,6 +93,10 @@ def _lora_settings(config: dict, name: str) -> LoRASettings | None:
     return LoRASettings(lora["rank"], lora["alpha"], lora["dropout"], tuple(lora["target_modules"]))
 
 
-def _base_path(config: dict, name: str) -> str:
-    """The HF directory model `name` of the run started from."""
+def lora_base_model(directory: Path, name: str) -> str | None:
+    """The HF directory whose weights the LoRA adapters of the checkpoint's model `name` adapt (the one the run
+    started from); None when that model holds no adapters."""
+    config = _run_config(directory)
+    if _lora_settings(config, name) is None:
+        return None
     return (name == "critic" and config["critic"].get("path")) or config["model"]["path"]

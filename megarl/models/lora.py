@@ -40,7 +40,9 @@ import torch
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
 )
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
@@ -89,15 +91,13 @@ class LoRAAdapter(torch.nn.Module):
         `settings.target_modules` left out of the sum; `groups`: linear_qkv's query groups (its output
         interleaves the parts per group); `expert`: the routed expert's index in its layer."""
         super().__init__()
-        if getattr(linear, "sequence_parallel", False):
-            raise ValueError("actor.lora with sequence parallelism (Transformer Engine's layers at TP>1) is not "
-                             "supported; set model.layer_spec=local")
         self.linear_path, self.kind, self.parts, self.settings, self.groups = linear_path, kind, parts, settings, groups
         self.layer, self.expert = layer, expert
         """The decoder layer's number in the whole model (HF's `model.layers.<layer>`)."""
         self.group = linear.tp_group
         tp, tp_rank = self.group.size(), self.group.rank()
         self.tp = tp
+        self.sequence_parallel = tp > 1 and getattr(linear, "sequence_parallel", False)
         self.enabled = True
         self.dropout = torch.nn.Dropout(settings.dropout) if settings.dropout else torch.nn.Identity()
         weight = linear.weight
@@ -123,6 +123,9 @@ class LoRAAdapter(torch.nn.Module):
             for parameter in (a, b):
                 # A routed expert's adapter is reduced over the expert data-parallel ranks, as its linear is.
                 parameter.allreduce = getattr(weight, "allreduce", True)
+            # Under sequence parallelism the whole half multiplies this rank's part of the sequence: megatron sums
+            # its gradient over TP, as it does a norm's.
+            (b if kind == "row" else a).sequence_parallel = self.sequence_parallel
             self.register_parameter(f"A_{part.target}", a)
             self.register_parameter(f"B_{part.target}", b)
 
@@ -134,17 +137,27 @@ class LoRAAdapter(torch.nn.Module):
         return getattr(self, f"A_{target}"), getattr(self, f"B_{target}")
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
-        """(alpha / r) B A x in the linear's output layout (this TP rank's rows for column-parallel)."""
+        """(alpha / r) B A x in the linear's output layout (this TP rank's rows for column-parallel). Under
+        sequence parallelism a column-parallel linear takes this rank's part of the sequence and gives all of it,
+        a row-parallel one the reverse: h = A x (r wide) is gathered or reduce-scattered along the sequence."""
         x = self.dropout(x)
         outputs = {}
         for target in self.targets():
             a, b = self.pair(target)
             h = x @ a.t()
             if self.tp > 1:
-                h = (copy_to_tensor_model_parallel_region(h, group=self.group) if self.kind == "column"
-                     else reduce_from_tensor_model_parallel_region(h, group=self.group))
+                h = self._communicate(h)
             outputs[target] = h @ b.t()
-        return self._assemble(outputs, x.shape[:-1], dim=-1) * self.settings.scaling
+        return self._assemble(outputs, h.shape[:-1], dim=-1) * self.settings.scaling
+
+    def _communicate(self, h: torch.Tensor) -> torch.Tensor:
+        if self.kind == "column":
+            if self.sequence_parallel:
+                return gather_from_sequence_parallel_region(h, group=self.group)
+            return copy_to_tensor_model_parallel_region(h, group=self.group)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(h, group=self.group)
+        return reduce_from_tensor_model_parallel_region(h, group=self.group)
 
     def weight_delta(self) -> torch.Tensor:
         """(alpha / r) B A as the linear's own weight shard (out_local x in_local), in float32."""
@@ -198,7 +211,23 @@ def _add_delta(adapter: LoRAAdapter, linear: torch.nn.Module, args: tuple, outpu
     if not adapter.enabled:
         return output
     result, bias = output
-    return result + adapter.delta(args[0]), bias
+    return result + adapter.delta(_linear_input(linear, args[0])), bias
+
+
+def _linear_input(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """What `linear`'s weight multiplies: Transformer Engine's LayerNormLinear (linear_qkv and linear_fc1 of its
+    layer spec) takes the layer's input and applies the layer's norm itself; the others take it normalized."""
+    gamma = getattr(linear, "layer_norm_weight", None)
+    if gamma is None:
+        return x
+    gamma = gamma.float() + 1 if linear.zero_centered_gamma else gamma.float()
+    x32 = x.float()
+    if linear.normalization == "RMSNorm":
+        normalized = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + linear.eps) * gamma
+    else:
+        bias = linear.layer_norm_bias.float() if linear.layer_norm_bias is not None else None
+        normalized = torch.nn.functional.layer_norm(x32, (x.shape[-1],), gamma, bias, linear.eps)
+    return normalized.to(x.dtype)
 
 
 def apply_lora(model: torch.nn.Module, arch: Architecture, settings: LoRASettings, seed: int = 0) -> list[LoRAAdapter]:

@@ -7,8 +7,9 @@ trainer logs the start of each phase at debug level); the kill during the rollou
 alone, whose workers must die with it. Then `resume_mode=auto` continues from the
 newest complete checkpoint. The resumed job must train exactly the steps after that checkpoint and
 log every metric bitwise equal to an uninterrupted run (CPU: the same kernels on the same bytes),
-for GRPO at DP2 and for PPO with a critic at TP2, and its Adam state must count one step per
-optimizer step taken. Checkpoints are layout-independent (DP2 -> PP2, TP2 -> DP2).
+for GRPO at DP2, for PPO with a critic at TP2 and for GRPO with LoRA adapters on a Qwen3-MoE's attention and routed
+experts at EP2 (its checkpoints hold the adapters alone; the base is re-read from model.path), and its Adam state
+must count one step per optimizer step taken. Checkpoints are layout-independent (DP2 -> PP2, TP2 -> DP2).
 
 Split placement at staleness 1 (one trainer rank, one rollout rank, `hf` engine) checkpoints the batch the
 rollout rank generated ahead: killed twice while that batch is queued, the resumed job trains every
@@ -46,6 +47,7 @@ class Job:
     overrides: tuple[str, ...]
     engines: tuple[str, ...]
     async_save: bool
+    model: str = "qwen2-tied"
 
 
 JOBS = {
@@ -57,6 +59,9 @@ JOBS = {
                       ("trainer.placement=split", "rollout.num_ranks=1", "trainer.max_staleness=1",
                        "rollout.backend=hf", "model.dtype=bfloat16"), ("actor",),
                       async_save=False),
+    "grpo_lora_ep2": Job("configs/quickstart.yaml", "quickstart_grpo",
+                         ("actor.ep=2", "actor.lora.rank=4", "actor.lora.alpha=8"), ("actor",), async_save=False,
+                         model="qwen3-moe"),
 }
 
 
@@ -96,10 +101,12 @@ def _metrics(out: Path, job: Job) -> dict[str, dict[int, float]]:
 
 
 def _adam_steps(out: Path, job: Job, engine: str) -> set[float]:
-    """The Adam step counts the final checkpoint saved for `engine` (one per param group)."""
+    """The Adam step counts the final checkpoint saved for `engine` (one per param group; a mixture of experts has
+    two optimizers, its experts' and the rest's)."""
     common = torch.load(_checkpoints(out, job) / f"global_step_{TOTAL_STEPS}" / engine / "common.pt",
                         weights_only=True)
-    return {group["step"] for group in common["optimizer"]["optimizer"]["param_groups"]}
+    optimizers = common["optimizer"].values() if 0 in common["optimizer"] else [common["optimizer"]]
+    return {group["step"] for optimizer in optimizers for group in optimizer["optimizer"]["param_groups"]}
 
 
 def _assert_resumed(launch: Launch, loaded: int, finished: bool) -> None:
@@ -112,14 +119,19 @@ def _assert_resumed(launch: Launch, loaded: int, finished: bool) -> None:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tiny_models, arithmetic, tmp_path_factory) -> dict[str, tuple[Path, dict, dict]]:
+def models(tiny_models, tiny_moe_models) -> dict[str, Path]:
+    return {**tiny_models, **tiny_moe_models}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(models, arithmetic, tmp_path_factory) -> dict[str, tuple[Path, dict, dict]]:
     """One uninterrupted run per job: its output directory, its metrics and (split placement) the
     prompts and policy version of each step. Each logs every training metric at every step, validates
     before training and after the last step, and leaves its curves and config in its run directory."""
     results = {}
     for name, job in JOBS.items():
         out = tmp_path_factory.mktemp(f"uninterrupted_{name}")
-        launch = Launch(out, _args(job, tiny_models["qwen2-tied"], arithmetic, out))
+        launch = Launch(out, _args(job, models[job.model], arithmetic, out))
         launch.finish()
         metrics = _metrics(out, job)
         for metric in ("actor/pg_loss", "reward/mean", *(("critic/vf_loss",) if "critic" in job.engines else ())):
@@ -168,13 +180,13 @@ def test_every_published_checkpoint_holds_what_its_index_says(uninterrupted, nam
 
 
 def _kills(name: str, checkpoints: Path) -> list:
-    """When and how each launch dies: GRPO-DP2 loses its agent during a rollout, then crashes during
+    """When and how each launch dies: GRPO-DP2 (and LoRA at EP2) loses its agent during a rollout, then crashes during
     a save; PPO-TP2 crashes during an actor update, then during an asynchronous save (its shards still
     being written while the next step trains)."""
     if name == "grpo_split":  # the batch of step 3 (2) is queued: generated during the update of step 2 (3)
         return [(lambda launch: launch.phase_began(2, "update_actor"), Launch.crash),
                 (lambda launch: launch.phase_began(3, "update_actor"), Launch.crash)]
-    if name == "grpo_dp2":
+    if name in ("grpo_dp2", "grpo_lora_ep2"):
         return [(lambda launch: launch.phase_began(2, "rollout"), lambda launch: launch.kill_agent(checkpoints)),
                 (lambda launch: (checkpoints / ".global_step_3.partial").is_dir(), Launch.crash)]
 
@@ -187,9 +199,9 @@ def _kills(name: str, checkpoints: Path) -> list:
 
 
 @pytest.mark.parametrize("name", JOBS)
-def test_a_job_killed_twice_resumes_bitwise(tiny_models, arithmetic, tmp_path, uninterrupted, name):
+def test_a_job_killed_twice_resumes_bitwise(models, arithmetic, tmp_path, uninterrupted, name):
     job = JOBS[name]
-    args = _args(job, tiny_models["qwen2-tied"], arithmetic, tmp_path)
+    args = _args(job, models[job.model], arithmetic, tmp_path)
     checkpoints = _checkpoints(tmp_path, job)
     launch, loaded, trained = Launch(tmp_path, args), None, {}
     for moment, kill in _kills(name, checkpoints):

@@ -18,6 +18,7 @@ import sys
 import mlflow
 import pytest
 import torch
+from peft import PeftModel
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -360,7 +361,7 @@ def test_grpo_with_lora_syncs_the_merged_adapted_linears_and_its_reference_is_th
     # other TP rank's half of them (their bytes read from the checkpoint here), the lower bound, and its log-probs
     # match the trainer's. The checkpoint holds the adapters and their optimizer state, no base weight;
     # generate.py on it serves the base read from model.path with the trained adapters (the run's last validation
-    # again), not the base alone (whose greedy responses differ).
+    # again), not the base alone (whose greedy responses differ); it exports as a merged HF model and a PEFT adapter.
     model = tiny_models["qwen2-untied"]
     overrides = _overrides(model, arithmetic, tmp_path, "rollout.backend=hf", "actor.tp=2", "actor.lora.rank=8",
                            "actor.use_kl_loss=true", "actor.ppo_mini_batch_size=4", "actor.optim.lr=1e-2",
@@ -392,3 +393,16 @@ def test_grpo_with_lora_syncs_the_merged_adapted_linears_and_its_reference_is_th
             mean = sum(row["score"] for row in rows) / len(rows)
             assert mean == pytest.approx(dict(_history(run, "quickstart_grpo", "val/score/mean"))[3])
     assert responses["trained"] != responses["base"]
+    # Exported merged and as a PEFT adapter (convert_to_hf.py --peft-output): PEFT's base with that adapter is the
+    # merged model.
+    merged, adapter = tmp_path / "merged", tmp_path / "adapter"
+    assert_succeeded(torchrun(1, ROOT / "checkpoints_tools/convert_to_hf.py", "--checkpoint", checkpoint,
+                              "--output", merged, "--peft-output", adapter))
+    tokens = torch.randint(5, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        base_logits = base(tokens).logits
+        peft_logits = PeftModel.from_pretrained(base, adapter)(tokens).logits
+        merged_logits = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)(tokens).logits
+    assert (merged_logits - base_logits).abs().max() > 1e-2  # training moved the adapters
+    assert (merged_logits - peft_logits).abs().max() < 1e-4
