@@ -16,6 +16,8 @@ import psutil
 from tests.conftest import ROOT
 
 TRAINED = re.compile(r"step (\d+): trains on prompts (\[[\d, ]*\]) of policy version (\d+)")
+MARKER = "MEGARL_TEST_LAUNCH"
+"""An environment variable every process of a launch inherits: found by it, an orphan of the job is still its."""
 
 
 class Launch:
@@ -26,7 +28,9 @@ class Launch:
         out.mkdir(parents=True, exist_ok=True)
         stamp = time.time_ns()
         self.console_path, self.log_path = out / f"console_{stamp}.txt", out / f"log_{stamp}.txt"
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MEGARL_LOG_LEVEL="DEBUG")
+        self.marker = str(stamp)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MEGARL_LOG_LEVEL="DEBUG",
+                   **{MARKER: self.marker})
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                    "launchers/train_ppo.py", *map(str, args)]
         with open(self.console_path, "w") as stdout, open(self.log_path, "w") as stderr:
@@ -47,9 +51,25 @@ class Launch:
         return f"step {step}: {phase} phase begins" in self.log()
 
     def finish(self, timeout: float = 400) -> None:
+        """Wait for the job to end well: exit 0, and no process of it left behind."""
         self.agent.wait(timeout=timeout)
         assert self.agent.returncode == 0, (f"exit {self.agent.returncode}\n{self.console()[-3000:]}\n"
                                             f"{self.log()[-8000:]}")
+        self.assert_no_survivor()
+
+    def assert_no_survivor(self) -> None:
+        """Every process the job started has ended (within a few seconds), orphans included."""
+        survivors = []
+        for process in psutil.process_iter():
+            try:
+                if process.environ().get(MARKER) == self.marker:
+                    survivors.append(process)
+            except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+                pass
+        _, alive = psutil.wait_procs(survivors, timeout=10)
+        for process in alive:
+            _ignore_gone(process.kill)
+        assert not alive, f"outlived their job: {[(p.pid, p.cmdline()[-3:]) for p in alive]}"
 
     def wait_for(self, moment, timeout: float = 300) -> None:
         deadline = time.time() + timeout
@@ -77,6 +97,7 @@ class Launch:
         self.agent.wait()
         _, alive = psutil.wait_procs(frozen, timeout=10)
         assert not alive, alive
+        self.assert_no_survivor()
 
     def kill_agent(self, checkpoints: Path) -> None:
         """SIGKILL of torchrun's agent alone: its workers (its children) must die with it and write no
@@ -96,6 +117,7 @@ class Launch:
         finally:
             for process in everything:
                 _ignore_gone(process.kill)
+        self.assert_no_survivor()
 
 
 def _ignore_gone(call):
