@@ -10,6 +10,10 @@ megatron's fused linears:
     linear_fc1        gate_proj, up_proj       column   whole                       this TP rank's rows
     linear_fc2        down_proj                row      this TP rank's columns      whole
 
+Multi-latent attention (DeepSeek-V3) adapts its own projections, each its own linear: q_a_proj (linear_q_down_proj),
+q_b_proj (linear_q_up_proj) or q_proj without a query latent (linear_q_proj), kv_a_proj_with_mqa
+(linear_kv_down_proj), kv_b_proj (linear_kv_up_proj), all column-parallel, and o_proj (linear_proj, row).
+
 The routed experts of a mixture-of-experts layer adapt as PEFT adapts transformers' fused expert weights
 (`target_parameters`): gate_proj and up_proj together are one adapter on each expert's linear_fc1 ([gate; up]) of
 twice the rank (PEFT's rank_pattern), down_proj one on its linear_fc2, scaled by alpha / r as the others.
@@ -51,8 +55,10 @@ from megarl.models.architecture import Architecture
 from megarl.seeding import derive_seed
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+LATENT_ATTENTION_TARGETS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+"""Multi-latent attention's projections (DeepSeek-V3): q_proj without a query latent, q_a_proj and q_b_proj with."""
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
-TARGETS = ATTENTION_TARGETS + MLP_TARGETS
+TARGETS = tuple(dict.fromkeys(ATTENTION_TARGETS + LATENT_ATTENTION_TARGETS + MLP_TARGETS))
 EXPERT_TARGETS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 """A routed expert's adapted weights (transformers' fused names) and the targets that adapt each."""
 ADAPTER_PREFIX = "lora_"
@@ -99,8 +105,14 @@ class LoRAAdapter(torch.nn.Module):
         self.tp = tp
         self.sequence_parallel = tp > 1 and getattr(linear, "sequence_parallel", False)
         self.enabled = True
-        self.dropout = torch.nn.Dropout(settings.dropout) if settings.dropout else torch.nn.Identity()
         weight = linear.weight
+        split = (sum(part.out_features for part in parts) // tp, parts[0].in_features) if kind == "column" else (
+            parts[0].out_features, parts[0].in_features // tp)
+        if tuple(weight.shape) != split:
+            # Transformer Engine keeps multi-latent attention's down projections whole on every TP rank.
+            raise ValueError(f"actor.lora on {linear_path}: its weight on this rank is {tuple(weight.shape)}, not "
+                             f"{split} (split over TP {tp}); set model.layer_spec=local")
+        self.dropout = torch.nn.Dropout(settings.dropout) if settings.dropout else torch.nn.Identity()
         for part in parts:
             if part.target not in self.targets():
                 continue
@@ -249,6 +261,9 @@ def apply_lora(model: torch.nn.Module, arch: Architecture, settings: LoRASetting
                    _Part("v_proj", hidden, kv_rows, r)]
             linears += [(layer, "self_attention.linear_qkv", "column", qkv, arch.num_kv_heads, None),
                         (layer, "self_attention.linear_proj", "row", [_Part("o_proj", q_rows, hidden, r)], 1, None)]
+        else:
+            linears += [(layer, f"self_attention.{path}", kind, [part], 1, None)
+                        for path, kind, part in _latent_attention_linears(arch, r)]
         if not arch.is_moe_layer(number):
             ffn = arch.ffn_hidden_size
             gate_up = [_Part("gate_proj", hidden, ffn, r), _Part("up_proj", hidden, ffn, r)]
@@ -279,6 +294,22 @@ def apply_lora(model: torch.nn.Module, arch: Architecture, settings: LoRASetting
     return adapters
 
 
+def _latent_attention_linears(arch: Architecture, r: int) -> list[tuple[str, str, _Part]]:
+    """Multi-latent attention's linears (every one column-parallel but the output projection): (path, kind, part)."""
+    mla, hidden, heads = arch.mla, arch.hidden_size, arch.num_attention_heads
+    query = heads * (mla.nope_head_dim + mla.rope_head_dim)
+    if mla.q_lora_rank:
+        linears = [("linear_q_down_proj", "column", _Part("q_a_proj", hidden, mla.q_lora_rank, r)),
+                   ("linear_q_up_proj", "column", _Part("q_b_proj", mla.q_lora_rank, query, r))]
+    else:
+        linears = [("linear_q_proj", "column", _Part("q_proj", hidden, query, r))]
+    return linears + [
+        ("linear_kv_down_proj", "column", _Part("kv_a_proj_with_mqa", hidden, mla.kv_lora_rank + mla.rope_head_dim, r)),
+        ("linear_kv_up_proj", "column", _Part("kv_b_proj", mla.kv_lora_rank, heads * (mla.nope_head_dim +
+                                                                                     mla.v_head_dim), r)),
+        ("linear_proj", "row", _Part("o_proj", heads * mla.v_head_dim, hidden, r))]
+
+
 def _targeted(target: str, settings: LoRASettings) -> bool:
     return all(name in settings.target_modules for name in EXPERT_TARGETS.get(target, (target,)))
 
@@ -287,14 +318,18 @@ def _check_targets(arch: Architecture, settings: LoRASettings) -> None:
     """ValueError naming `actor.lora.target_modules` for targets this architecture's adapters cannot take."""
     targets = set(settings.target_modules)
     key = f"config key 'actor.lora.target_modules' = {sorted(targets)}"
-    if arch.mla is not None and targets & set(ATTENTION_TARGETS):
-        raise ValueError(f"{key}: LoRA on multi-latent attention is not supported; allowed: "
-                         f"{', '.join(MLP_TARGETS)}")
+    attention = ATTENTION_TARGETS
+    if arch.mla is not None:
+        attention = tuple(part.target for _, _, part in _latent_attention_linears(arch, settings.rank))
+    lacking = targets - set(attention) - set(MLP_TARGETS)
+    if lacking:
+        raise ValueError(f"{key}: {arch.family} has no {', '.join(sorted(lacking))}; allowed: "
+                         f"{', '.join(attention + MLP_TARGETS)}")
     if not arch.is_moe or not targets & set(MLP_TARGETS):
         return
     if arch.family == "mixtral" or arch.dense_layers or arch.shared_expert_ffn_hidden_size:
         raise ValueError(f"{key}: LoRA on the MLPs of {arch.family} (dense or shared-expert MLPs beside the routed "
-                         f"experts, or Mixtral's w1/w2/w3) is not supported; allowed: {', '.join(ATTENTION_TARGETS)}")
+                         f"experts, or Mixtral's w1/w2/w3) is not supported; allowed: {', '.join(attention)}")
     if ("gate_proj" in targets) != ("up_proj" in targets):
         raise ValueError(f"{key}: a routed expert's gate_proj and up_proj are one fused weight (gate_up_proj); "
                          "target both or neither")

@@ -24,14 +24,14 @@ from safetensors.torch import load_file, save_file
 
 from megarl.distributed import collectives
 from megarl.distributed.layout import ParallelLayout
-from megarl.models.lora import ATTENTION_TARGETS, EXPERT_TARGETS, MLP_TARGETS, LoRAAdapter, LoRASettings
+from megarl.models.lora import EXPERT_TARGETS, MLP_TARGETS, LoRAAdapter, LoRASettings
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
 
 def peft_name(layer: int, target: str, matrix: str) -> str:
     """PEFT's name of `matrix` ("A" or "B") of `target`'s adapter in decoder layer `layer`."""
-    block = "self_attn" if target in ATTENTION_TARGETS else "mlp"
+    block = "mlp" if target in MLP_TARGETS else "self_attn"
     return f"base_model.model.model.layers.{layer}.{block}.{target}.lora_{matrix}.weight"
 
 

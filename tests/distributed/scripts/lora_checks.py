@@ -146,8 +146,8 @@ report["adapters_changed"] = all(not torch.equal(p, adapters_before[name])
                                  for name, p in engine.module.named_parameters() if name in adapters_before)
 report["trainable_names_are_adapters"] = all(".lora_" in name for name in adapters_before)
 report["adapter_elements"] = sum(p.numel() for p in adapters_before.values())
-report["grad_buffer_elements"] = sum(buffer.numel_unpadded
-                                     for buffer in engine.model.buffers + engine.model.expert_parallel_buffers)
+report["grad_buffer_elements"] = sum(parameter.numel() for buffer in engine.model.buffers +
+                                     engine.model.expert_parallel_buffers for parameter in buffer.params)
 report["grad_norm"] = metrics["grad_norm"]
 every_rank = collectives.all_gather_object(report)
 if dist.get_rank() == 0:

@@ -126,7 +126,7 @@ BAD_CONFIGS = [
         "'algorithm.rollout_correction.upper' = 'high'", "not a valid float | None"),
     bad("lora rank negative", None, [P, "actor.lora.rank=-4"], "'actor.lora.rank' = -4", ">= 0"),
     bad("lora target not a projection", None, [P, "actor.lora.rank=8", "actor.lora.target_modules=[q_proj,lm_head]"],
-        "'actor.lora.target_modules' = 'lm_head'", "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"),
+        "'actor.lora.target_modules' = 'lm_head'", "q_proj, k_proj, v_proj, o_proj, q_a_proj, q_b_proj"),
     bad("lora without targets", None, [P, "critic.lora.rank=8", "critic.lora.target_modules=[]"],
         "'critic.lora.target_modules' is empty", "critic.lora.rank = 8"),
     bad("judge without a template", None, [P, "reward.judge.path=j"], "'reward.judge.template' is required",
