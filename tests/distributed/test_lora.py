@@ -1,5 +1,5 @@
 """LoRA against PEFT at TP2 and at PP2, on a Qwen3-MoE's attention and routed experts at EP2 and on its attention at TP2
-with sequence parallelism, and on a DeepSeek-V3's multi-latent attention at PP2
+with sequence parallelism, and on a DeepSeek-V3's multi-latent attention at TP2
 (tests/distributed/scripts/lora_checks.py): a PEFT adapter made here, A and B both non- zero, imported into the actor
 gives PEFT's logits, its adapters off the base model's; exported back it is bit- identical; the served weights are
 PEFT's merged model; one optimizer step moves the adapters alone, with PEFT's gradient norm for the same loss, and
@@ -35,8 +35,8 @@ def _peft_adapter(model: str, targets: list[str], out):
     # An MoE at TP2 runs sequence-parallel (megarl.models.builder): attention's adapters take and give parts of the
     # sequence.
     (["--tp", "2"], "qwen3-moe", TARGETS[:4]),
-    (["--pp", "2"], "deepseek-v3", ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"])],
-    ids=["tp2", "pp2", "ep2", "tp2-sequence-parallel", "pp2-latent-attention"])
+    (["--tp", "2"], "deepseek-v3", ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"])],
+    ids=["tp2", "pp2", "ep2", "tp2-sequence-parallel", "tp2-latent-attention"])
 def test_lora_matches_peft_and_trains_the_adapters_alone(tiny_models, tiny_moe_models, tmp_path, layout, model,
                                                          targets):
     model = {**tiny_models, **tiny_moe_models}[model]

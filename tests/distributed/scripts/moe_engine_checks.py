@@ -19,7 +19,8 @@ Phases, each after `init_layout` at its EP size:
    1's forward. A hook on the routers records the routing each training forward used.
 5. The sigmoid router of DeepSeek-V3 (--sigmoid-policy: correction bias, expert groups, a dense first
    layer) at EP2: replay as in 4; and its checkpoint's correction bias after one step, fixed by default
-   and moved by aux-loss-free balancing with `expert_bias`.
+   and moved by aux-loss-free balancing with `expert_bias`; the fixed-bias step again at TP2xEP2 (multi-latent
+   attention at TP2, sequence parallel).
 
 The reference (every rank, whole batch) is a `transformers` forward and backward of the same loss
 written out by hand: the policy loss normalised by the batch's response tokens, plus each
@@ -356,6 +357,11 @@ def main():
         metrics, _ = sigmoid.train_mini_batch(batch, policy_loss, temperature=TEMPERATURE)
         report[name] = dict(metrics, before=before, after=[router.expert_bias.tolist()
                                                            for router in sigmoid.routing.routers])
+    # At TP2 (sequence parallel, DP1) on the whole batch: every TP rank's heads use the whole RoPE key of MLA.
+    sigmoid_tp = engine(init_layout(tp=2, ep=2, etp=1), args.sigmoid_policy, MoEConfig())
+    report["sigmoid_tp2ep2"], _ = sigmoid_tp.train_mini_batch(everything.select(order), policy_loss,
+                                                              temperature=TEMPERATURE)
+    layout = init_layout(ep=2)
     expected = hf_scores(args.sigmoid_policy)[share]
     report["sigmoid_score_diff"] = worst(float((scores - expected[:, : scores.shape[1]]).abs().max()))
     report["sigmoid_reference"] = hf_policy_step(args.sigmoid_policy)
