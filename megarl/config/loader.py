@@ -94,6 +94,11 @@ def validate(config: RunConfig) -> None:
     for name in ("tp", "pp", "ep"):
         _check_at_least(f"actor.{name}", getattr(actor, name), 1)
     _check_at_least("actor.etp", actor.etp, 0)
+    if actor.etp not in (0, actor.tp) and actor.ep == 1:
+        # megatron reduces the experts' gradients over their expert data-parallel ranks only at EP > 1; at EP1 the
+        # TP ranks that hold the same expert (each routing its part of the sequence) would drift apart.
+        raise ConfigError(f"config key 'actor.etp' = {actor.etp} differs from actor.tp = {actor.tp} at actor.ep = 1; "
+                          f"allowed: actor.etp = 0 or {actor.tp}, or actor.ep > 1")
     # Accepted by megatron-core but not implemented here: nothing splits the sequence over CP ranks
     # (the local attention asserts CP=1).
     _check_supported("actor.cp", actor.cp, "context parallelism is not implemented")

@@ -38,10 +38,9 @@ parser.add_argument("--out", required=True)
 parser.add_argument("--tp", type=int, default=1)
 parser.add_argument("--pp", type=int, default=1)
 parser.add_argument("--ep", type=int, default=1)
-parser.add_argument("--etp", type=int, default=0)
 args = parser.parse_args()
 
-layout = init_layout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
+layout = init_layout(tp=args.tp, pp=args.pp, ep=args.ep)
 adapter_config = json.loads((Path(args.adapter) / "adapter_config.json").read_text())
 # PEFT names a routed expert's targets by transformers' fused weights (target_parameters).
 targets = {*adapter_config["target_modules"],

@@ -77,6 +77,8 @@ BAD_CONFIGS = [
     bad("negative pp", M + "actor: {pp: -2}", [], "'actor.pp' = -2", ">= 1"),
     bad("ep zero", None, [P, "actor.ep=0"], "'actor.ep' = 0", ">= 1"),
     bad("etp negative", None, [P, "actor.etp=-1"], "'actor.etp' = -1", ">= 0"),
+    bad("etp apart from tp at ep1", None, [P, "actor.tp=2", "actor.etp=1"], "'actor.etp' = 1 differs from actor.tp = 2",
+        "allowed: actor.etp = 0 or 2, or actor.ep > 1"),
     bad("negative aux loss", None, [P, "model.moe.aux_loss_coeff=-0.01"], "'model.moe.aux_loss_coeff' = -0.01",
         "numbers >= 0"),
     bad("negative z-loss", "model: {path: m, moe: {z_loss_coeff: -1.0}}", [], "'model.moe.z_loss_coeff' = -1.0",
