@@ -16,7 +16,12 @@ from pathlib import Path
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, ValidationError
+from omegaconf.errors import (
+    InterpolationResolutionError,
+    KeyValidationError,
+    MissingMandatoryValue,
+    ValidationError,
+)
 
 from megarl.config.schema import (
     DTYPES,
@@ -308,6 +313,10 @@ def _merge(config: DictConfig, data: dict, source: str) -> DictConfig:
         return OmegaConf.merge(config, data)
     except ValidationError as error:
         raise ConfigError(f"{_type_message(error)} ({source})") from None
+    except KeyValidationError as error:  # YAML reads an unquoted yes/no/on/off key as a boolean
+        section = error.full_key.rpartition(".")[0]
+        raise ConfigError(f"config key '{section}' has the key {error.key!r} ({type(error.key).__name__}), not a "
+                          f"string ({source}); quote it, e.g. \"yes\"") from None
 
 
 def _check_keys(data: dict, source: str, prefix: str = "") -> None:

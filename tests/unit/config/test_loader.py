@@ -133,6 +133,8 @@ BAD_CONFIGS = [
         "'critic.lora.target_modules' is empty", "critic.lora.rank = 8"),
     bad("judge without a template", None, [P, "reward.judge.path=j"], "'reward.judge.template' is required",
         "{prompt}, {response} and {ground_truth}"),
+    bad("judge choice an unquoted yes", M + "reward: {judge: {choices: {yes: 1.0, 'no': 0.0}}}", [],
+        "'reward.judge.choices' has the key True (bool), not a string", "bad.yaml", 'quote it, e.g. "yes"'),
     bad("judge template names an unknown field", None, [P, "reward.judge.path=j", "reward.judge.template=A{answer}"],
         "'reward.judge.template' = 'A{answer}'", "names {answer}", "{prompt}, {response}, {ground_truth}"),
     bad("judge template with a lone brace", None, [P, "reward.judge.path=j", "reward.judge.template=a{b"],
