@@ -138,8 +138,9 @@ class LoRAConfig:
 
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                                 "up_proj", "down_proj"])
-    """The HF projections that get adapters, of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj
-    (mixture-of-experts models: the attention's)."""
+    """The HF projections that get adapters: q_proj, k_proj, v_proj, o_proj (multi-latent attention: q_a_proj,
+    q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj), gate_proj, up_proj, down_proj (a mixture of
+    experts: every routed expert's, gate and up as one adapter of twice the rank, as PEFT's target_parameters)."""
 
     adapter_path: str = ""
     """A PEFT adapter directory (adapter_config.json, adapter_model.safetensors) to start from, of this rank,
