@@ -46,7 +46,7 @@ from megarl.checkpoint.optimizer_state import (
     load_optimizer_state,
     sharded_optimizer_state,
 )
-from megarl.checkpoint.model_loading import load_trained_entries, trained_entries
+from megarl.checkpoint.model_loading import load_trained_entries, lora_base_mismatch, trained_entries
 from megarl.checkpoint.staging import begin, finish
 from megarl.distributed.process import exit_with_parent
 
@@ -175,7 +175,8 @@ class Checkpointer:
             check_step_counts(engine.optimizer, engine.scheduler.num_steps, f"saving the {name} at step {step}")
         torch.save(rng_state(), staging / "rng" / f"rank_{rank}.pt")
         state = dict(trainer_state, step=step, world_size=world_size,
-                     schedulers={n: e.scheduler.state_dict() for n, e in engines.items()})
+                     schedulers={n: e.scheduler.state_dict() for n, e in engines.items()},
+                     lora_bases={n: e.base_fingerprint for n, e in engines.items() if e.base_fingerprint})
         requests = [dist_checkpointing.save(sharded_state(engine, is_loading=False), str(staging / name),
                                             async_sharded_save=self.async_save)
                     for name, engine in engines.items()]
@@ -211,6 +212,9 @@ class Checkpointer:
         for name, engine in engines.items():
             if not (directory / name).is_dir():
                 raise CheckpointError(f"{directory}: has no {name!r} state; it holds {sorted(state['schedulers'])}")
+            mismatch = lora_base_mismatch(name, engine.base_path, state, engine.base_fingerprint)
+            if mismatch:
+                raise CheckpointError(f"{directory}: {mismatch}")
             initialize_optimizer_state(engine.optimizer)
             loaded = dist_checkpointing.load(sharded_state(engine, is_loading=True), str(directory / name))
             load_trained_entries(engine.module, loaded["model"])

@@ -11,6 +11,7 @@ started from, with the checkpoint's adapters on it: a checkpoint holds what trai
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from megarl.checkpoint.directory import CheckpointError, problem_with
 from megarl.distributed.layout import ParallelLayout
 from megarl.models.architecture import Architecture, architecture_from_hf, read_hf_config
 from megarl.models.builder import build_model
+from megarl.models.hf_checkpoint import SafetensorsReader
 from megarl.models.hf_interop import load_hf_weights
 from megarl.models.lora import LoRASettings, apply_lora
 
@@ -32,7 +34,19 @@ def model_problem(directory: Path, name: str) -> str | None:
     problem = problem_with(directory)
     if problem is None and not (directory / name).is_dir():
         problem = f"missing {name}/"
-    return problem
+    return problem or _lora_base_problem(directory, name)
+
+
+def _lora_base_problem(directory: Path, name: str) -> str | None:
+    """Why the base weights of the checkpoint's `name` LoRA adapters cannot be read, or None (or no adapters)."""
+    base = lora_base_model(directory, name)
+    if base is None:
+        return None
+    if not (Path(base) / "config.json").is_file():
+        return (f"its {name} holds LoRA adapters on the base model {base}, which is gone; expected the HF directory "
+                "the run started from there")
+    state = json.loads((directory / "trainer_state.json").read_text())
+    return lora_base_mismatch(name, base, state, SafetensorsReader(base).fingerprint())
 
 
 @torch.no_grad()
@@ -49,11 +63,7 @@ def load_model(directory: Path, name: str, layout: ParallelLayout,
     model = build_model(arch, layout, dtype)
     lora = _lora_settings(_run_config(directory), name)
     if lora is not None:
-        base = lora_base_model(directory, name)
-        if not (Path(base) / "config.json").is_file():
-            raise CheckpointError(f"{directory}: its {name} holds LoRA adapters on the base model {base}, which "
-                                  "is gone; expected the HF directory the run started from there")
-        load_hf_weights(model, arch, layout, base)
+        load_hf_weights(model, arch, layout, lora_base_model(directory, name))
         apply_lora(model, arch, lora)
     loaded = dist_checkpointing.load({"model": trained_entries(model.sharded_state_dict())}, str(directory / name))
     load_trained_entries(model, loaded["model"])
@@ -91,6 +101,16 @@ def _lora_settings(config: dict, name: str) -> LoRASettings | None:
     if not lora.get("rank"):
         return None
     return LoRASettings(lora["rank"], lora["alpha"], lora["dropout"], tuple(lora["target_modules"]))
+
+
+def lora_base_mismatch(name: str, base: str, trainer_state: dict, fingerprint: str | None) -> str | None:
+    """Why the base weights at `base` (their `fingerprint`) are not those the checkpoint's `name` LoRA adapters were
+    trained on (recorded at save), or None."""
+    saved = trainer_state.get("lora_bases", {}).get(name)
+    if saved is None or fingerprint == saved:
+        return None
+    return (f"its {name}'s LoRA adapters were trained on other base weights than those at {base} now (weights "
+            f"fingerprint {saved[:12]} then, {str(fingerprint)[:12]} now); expected the base the run started from")
 
 
 def lora_base_model(directory: Path, name: str) -> str | None:

@@ -59,6 +59,7 @@ from megarl.engine.router_replay import RoutingReplay
 from megarl.engine.routing_stats import RoutingStats
 from megarl.models.builder import MoESettings, ScheduleSettings, resolve_layer_spec
 from megarl.models.hf_interop import load_hf_model
+from megarl.models.hf_checkpoint import SafetensorsReader
 from megarl.models.lora import LoRAAdapter, LoRASettings, adapters_disabled, apply_lora
 from megarl.models.peft_adapter import load_peft
 
@@ -139,8 +140,12 @@ class MegatronEngine:
         )
         self.model = self.module
         self.adapters: list[LoRAAdapter] = []
+        self.base_path = model_path or model_config.path
+        self.base_fingerprint = None
+        """With LoRA adapters: the fingerprint of the base weights they adapt (its checkpoints record it)."""
         if trainable and config.lora.rank:
             self.adapters = self._adapt(config.lora)
+            self.base_fingerprint = SafetensorsReader(self.base_path).fingerprint()
         self.packed = layer_spec == "transformer_engine"
         # Sequence parallelism splits each micro-batch's tokens over the TP ranks.
         self.sequence_multiple = layout.tp if self.module.config.sequence_parallel else 1

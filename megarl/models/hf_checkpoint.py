@@ -7,6 +7,7 @@ never loaded): each rank materialises its own shards, never the whole model.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -51,6 +52,19 @@ class SafetensorsReader:
 
     def read_all(self, name: str) -> torch.Tensor:
         return self._handle(name).get_tensor(name)
+
+    def fingerprint(self) -> str:
+        """A hash of every tensor's name, shape, dtype and first and last rows: a few bytes of each, read in
+        moments at any size, in which another model of the same architecture (a fine-tune of it) differs."""
+        digest = hashlib.sha256()
+        for name in self.names():
+            tensor_slice = self._handle(name).get_slice(name)
+            shape = tensor_slice.get_shape()
+            digest.update(f"{name} {shape} {tensor_slice.get_dtype()}".encode())
+            rows = [tensor_slice[:1], tensor_slice[-1:]] if shape else [self.read_all(name)]
+            for row in rows:
+                digest.update(row.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
 
 
 def write_shard(tensors: dict[str, torch.Tensor], out_dir: str, shard_index: int, num_shards: int) -> str:

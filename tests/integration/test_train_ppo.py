@@ -19,7 +19,7 @@ import mlflow
 import pytest
 import torch
 from peft import PeftModel
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -361,8 +361,10 @@ def test_grpo_with_lora_syncs_the_merged_adapted_linears_and_its_reference_is_th
     # other TP rank's half of them (their bytes read from the checkpoint here), the lower bound, and its log-probs
     # match the trainer's. The checkpoint holds the adapters and their optimizer state, no base weight;
     # generate.py on it serves the base read from model.path with the trained adapters (the run's last validation
-    # again), not the base alone (whose greedy responses differ); it exports as a merged HF model and a PEFT adapter.
-    model = tiny_models["qwen2-untied"]
+    # again), not the base alone (whose greedy responses differ); it exports as a merged HF model and a PEFT adapter,
+    # and not onto other base weights.
+    model = tmp_path / "base"  # a copy: the end of the test changes its weights
+    shutil.copytree(tiny_models["qwen2-untied"], model)
     overrides = _overrides(model, arithmetic, tmp_path, "rollout.backend=hf", "actor.tp=2", "actor.lora.rank=8",
                            "actor.use_kl_loss=true", "actor.ppo_mini_batch_size=4", "actor.optim.lr=1e-2",
                            "trainer.total_steps=3", f"reward.function={USER_REWARD}", "trainer.save_freq=3",
@@ -406,3 +408,16 @@ def test_grpo_with_lora_syncs_the_merged_adapted_linears_and_its_reference_is_th
         merged_logits = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)(tokens).logits
     assert (merged_logits - base_logits).abs().max() > 1e-2  # training moved the adapters
     assert (merged_logits - peft_logits).abs().max() < 1e-4
+    # Other weights of the same shapes at model.path (one tensor's first row moved): the adapters are not loaded
+    # on them; one line names the path.
+    weights = sorted(model.glob("*.safetensors"))[0]
+    tensors = load_file(weights)
+    name = sorted(tensors)[0]
+    tensors[name][0] += 1e-3
+    save_file(tensors, weights, metadata={"format": "pt"})
+    result = torchrun(1, ROOT / "checkpoints_tools/convert_to_hf.py", "--checkpoint", checkpoint,
+                      "--output", tmp_path / "on_another_base")
+    assert result.returncode != 0
+    messages = [line for line in result.stderr.splitlines() if "trained on other base weights" in line]
+    assert len(messages) == 1 and messages[0].startswith("convert_to_hf: "), result.stderr[-2000:]
+    assert f"than those at {model} now" in messages[0]
