@@ -240,7 +240,7 @@ class WeightSync:
         start_time = time.perf_counter()
         progress = _SyncProgress()
         self.params = served_tensors(self.module, self.arch)  # LoRA: the adapters merged as they are now
-        self.engine.begin_weight_update(step)
+        self.engine.begin_weight_update(step, partial=names is not None)
         places = self.engine.weight_places() if self.local else None
         try:
             if places is None:

@@ -83,8 +83,9 @@ class RolloutEngine(Protocol):
         write them itself, between `begin_weight_update` and `end_weight_update`, every one of them.
         None before a complete load, and where a load does more (vLLM's reload, repacked kernels)."""
 
-    def begin_weight_update(self, step: int) -> None:
-        """Mark the engine as loading: generation is refused until `end_weight_update`."""
+    def begin_weight_update(self, step: int, partial: bool = False) -> None:
+        """Mark the engine as loading: generation is refused until `end_weight_update`. `partial`: the update
+        brings some of the weights (LoRA's adapted linears); the others stay as they are."""
 
     def end_weight_update(self) -> None: ...
 

@@ -90,7 +90,7 @@ class HFRollout:
             tokens = torch.cat([tokens, torch.tensor([[token]], device=tokens.device)], dim=1)
         return ids, logprobs, "length"
 
-    def begin_weight_update(self, step: int) -> None:
+    def begin_weight_update(self, step: int, partial: bool = False) -> None:
         self.guard.begin(step)
 
     @torch.no_grad()

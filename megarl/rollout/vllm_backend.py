@@ -58,34 +58,46 @@ _RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 _INPLACE_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.inplace"
 
 
+class _PartialUpdate:
+    """Whether the weight update in progress feeds only some layers (LoRA's adapted linears, `begin_weight_update`):
+    the others receive nothing by design and keep their weights."""
+
+    active = False
+
+
 class _NothingToReload(logging.Filter):
     """Drops vLLM's "<layer>: Failed to load weights" for the layers a reload never feeds, by design.
 
     A rotary embedding's only tensor is its cos/sin cache, computed from the config and absent from
     every checkpoint; a tied LM head's weight is the embedding's Parameter, reloaded through
-    `embed_tokens` (and re-packed by `_refresh_lm_head`). vLLM keeps both as they are. Any other
-    layer that received nothing still warns: that would be a weight left stale, a bug."""
+    `embed_tokens` (and re-packed by `_refresh_lm_head`); a partial update feeds only its layers. vLLM keeps
+    them as they are. Any other layer that received nothing still warns: that would be a weight left stale, a bug."""
 
-    def __init__(self, tied_lm_head: bool):
+    def __init__(self, tied_lm_head: bool, partial: _PartialUpdate):
         super().__init__()
-        self.tied_lm_head = tied_lm_head
+        self.tied_lm_head, self.partial = tied_lm_head, partial
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.msg != "%s: Failed to load weights":
             return True
         layer = record.args[0]
-        return not (layer.endswith("RotaryEmbedding") or (self.tied_lm_head and layer == "ParallelLMHead"))
+        return not (self.partial.active or layer.endswith("RotaryEmbedding")
+                    or (self.tied_lm_head and layer == "ParallelLMHead"))
 
 
 class _DerivedAfterLoading(logging.Filter):
-    """Drops vLLM's "Following weights were not loaded from checkpoint" when the weights it names are
-    multi-latent attention's W_UK_T and W_UV alone: no checkpoint has them; MLA's processing derives
-    them from the freshly loaded kv_b_proj after every load, reloads included."""
+    """Drops vLLM's "Following weights were not loaded from checkpoint" during a partial update, and when the
+    weights it names are multi-latent attention's W_UK_T and W_UV alone: no checkpoint has them; MLA's processing
+    derives them from the freshly loaded kv_b_proj after every load, reloads included."""
+
+    def __init__(self, partial: _PartialUpdate):
+        super().__init__()
+        self.partial = partial
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not record.msg.startswith("Following weights were not loaded from checkpoint"):
             return True
-        return not all(name.endswith((".W_UK_T", ".W_UV")) for name in record.args[0])
+        return not (self.partial.active or all(name.endswith((".W_UK_T", ".W_UV")) for name in record.args[0]))
 
 
 CPU_BLOCK_GRANULE, CPU_DEFAULT_BLOCK = 32, 128
@@ -140,8 +152,9 @@ class VLLMRollout:
         """Set where a weight update can skip vLLM's generic reload (`megarl.rollout.vllm_direct_load`)."""
         self.guard = WeightUpdateGuard(has_weights=not dummy_weights)
         tied = self.llm.llm_engine.model_config.hf_config.tie_word_embeddings
-        logging.getLogger(_RELOAD_LOGGER).addFilter(_NothingToReload(tied_lm_head=bool(tied)))
-        logging.getLogger(_INPLACE_RELOAD_LOGGER).addFilter(_DerivedAfterLoading())
+        self.partial_update = _PartialUpdate()
+        logging.getLogger(_RELOAD_LOGGER).addFilter(_NothingToReload(bool(tied), self.partial_update))
+        logging.getLogger(_INPLACE_RELOAD_LOGGER).addFilter(_DerivedAfterLoading(self.partial_update))
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> RolloutOutput:
         from vllm import SamplingParams, TokensPrompt
@@ -176,8 +189,9 @@ class VLLMRollout:
         recorded = self.llm.collective_rpc(routing_capture.take_on_worker, args=self.routed_experts_shape)[0]
         return {routing_capture.request_key(internal): torch.from_numpy(ids) for internal, ids in recorded.items()}
 
-    def begin_weight_update(self, step: int) -> None:
+    def begin_weight_update(self, step: int, partial: bool = False) -> None:
         self.guard.begin(step)
+        self.partial_update.active = partial
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Written straight into the engine's parameters where its layout allows, else one in-place

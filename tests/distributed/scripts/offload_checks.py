@@ -67,9 +67,9 @@ class RecordingHFRollout(HFRollout):
         record("generate")
         return super().generate(prompts, sampling)
 
-    def begin_weight_update(self, step):
+    def begin_weight_update(self, step, partial=False):
         record("begin_weight_update")
-        super().begin_weight_update(step)
+        super().begin_weight_update(step, partial)
 
     def end_weight_update(self):
         record("end_weight_update")
