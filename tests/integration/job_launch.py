@@ -59,17 +59,22 @@ class Launch:
 
     def assert_no_survivor(self) -> None:
         """Every process the job started has ended (within a few seconds), orphans included."""
-        survivors = []
-        for process in psutil.process_iter():
-            try:
-                if process.environ().get(MARKER) == self.marker:
-                    survivors.append(process)
-            except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
-                pass
-        _, alive = psutil.wait_procs(survivors, timeout=10)
+        _, alive = psutil.wait_procs(self.marked(), timeout=10)
         for process in alive:
             _ignore_gone(process.kill)
         assert not alive, f"outlived their job: {[(p.pid, p.cmdline()[-3:]) for p in alive]}"
+
+    def marked(self) -> list[psutil.Process]:
+        """The live processes of the job, found by its marker: those below the agent and any orphan of it (a
+        process whose parent ended; seen: one of an asynchronous save's, mid-run)."""
+        marked = []
+        for process in psutil.process_iter():
+            try:
+                if process.environ().get(MARKER) == self.marker:
+                    marked.append(process)
+            except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+                pass
+        return marked
 
     def wait_for(self, moment, timeout: float = 300) -> None:
         deadline = time.time() + timeout
@@ -84,11 +89,11 @@ class Launch:
         return [agent, *agent.children(recursive=True)]
 
     def crash(self) -> None:
-        """What a crash of the machine does to the job: every process dies at once. They are frozen
-        (SIGSTOP) first and listed again until the list is stable, so that none starts another
+        """What a crash of the machine does to the job: every process dies at once, its orphans too. They are
+        frozen (SIGSTOP) first and listed again until the list is stable, so that none starts another
         between the listing and the kill."""
         frozen: set[psutil.Process] = set()
-        while new := set(self.processes()) - frozen:
+        while new := (set(self.processes()) | set(self.marked())) - frozen:
             for process in new:
                 _ignore_gone(process.suspend)
             frozen |= new
@@ -97,7 +102,6 @@ class Launch:
         self.agent.wait()
         _, alive = psutil.wait_procs(frozen, timeout=10)
         assert not alive, alive
-        self.assert_no_survivor()
 
     def kill_agent(self, checkpoints: Path) -> None:
         """SIGKILL of torchrun's agent alone: its workers (its children) must die with it and write no
@@ -115,9 +119,8 @@ class Launch:
             assert not alive, f"outlived their workers: {[p.cmdline()[-3:] for p in alive]}"
             assert sorted(checkpoints.glob("*global_step_*")) == before
         finally:
-            for process in everything:
+            for process in everything + self.marked():  # the job's orphans die with the rest
                 _ignore_gone(process.kill)
-        self.assert_no_survivor()
 
 
 def _ignore_gone(call):
