@@ -212,7 +212,7 @@ class Checkpointer:
         for name, engine in engines.items():
             if not (directory / name).is_dir():
                 raise CheckpointError(f"{directory}: has no {name!r} state; it holds {sorted(state['schedulers'])}")
-            mismatch = lora_base_mismatch(name, engine.base_path, state, engine.base_fingerprint)
+            mismatch = lora_base_mismatch(name, engine.model_path, state, engine.base_fingerprint)
             if mismatch:
                 raise CheckpointError(f"{directory}: {mismatch}")
             initialize_optimizer_state(engine.optimizer)

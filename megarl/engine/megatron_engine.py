@@ -58,8 +58,8 @@ from megarl.engine.prompt_sharing import PositionedRope, PromptGroups, share_pro
 from megarl.engine.router_replay import RoutingReplay
 from megarl.engine.routing_stats import RoutingStats
 from megarl.models.builder import MoESettings, ScheduleSettings, resolve_layer_spec
-from megarl.models.hf_interop import load_hf_model
 from megarl.models.hf_checkpoint import SafetensorsReader
+from megarl.models.hf_interop import load_hf_model
 from megarl.models.lora import LoRAAdapter, LoRASettings, adapters_disabled, apply_lora
 from megarl.models.peft_adapter import load_peft
 
@@ -124,6 +124,7 @@ class MegatronEngine:
         `groups`: the RL run's prompt groups, whose prompts the model shares where that pays (None: batches
         of distinct prompts, as SFT's)."""
         self.layout, self.config = layout, config
+        self.model_path = model_path or model_config.path
         trainable = total_optimizer_steps is not None
         self.loss_scaling = LossScaling()
         schedule = ScheduleSettings(
@@ -134,25 +135,24 @@ class MegatronEngine:
         )
         layer_spec = resolve_layer_spec(model_config.layer_spec)
         self.module, self.arch = load_hf_model(
-            model_path or model_config.path, layout, model_config.dtype, layer_spec,
+            self.model_path, layout, model_config.dtype, layer_spec,
             model_config.make_vocab_size_divisible_by, recompute_activations=config.recompute_activations,
             value_head=value_head, schedule=schedule, moe=MoESettings(**asdict(model_config.moe)),
         )
         self.model = self.module
         self.adapters: list[LoRAAdapter] = []
-        self.base_path = model_path or model_config.path
         self.base_fingerprint = None
         """With LoRA adapters: the fingerprint of the base weights they adapt (its checkpoints record it)."""
         if trainable and config.lora.rank:
             self.adapters = self._adapt(config.lora)
-            self.base_fingerprint = SafetensorsReader(self.base_path).fingerprint()
+            self.base_fingerprint = SafetensorsReader(self.model_path).fingerprint()
         self.packed = layer_spec == "transformer_engine"
         # Sequence parallelism splits each micro-batch's tokens over the TP ranks.
         self.sequence_multiple = layout.tp if self.module.config.sequence_parallel else 1
         if router_replay and not self.arch.is_moe:
             raise ValueError(f"actor.router_replay=true needs a mixture-of-experts model; "
-                             f"{model_path or model_config.path} is dense")
-        self.positioned_rope = self._prompt_sharing(groups, model_path or model_config.path)
+                             f"{self.model_path} is dense")
+        self.positioned_rope = self._prompt_sharing(groups, self.model_path)
         self.optimizer = self.scheduler = self.routing = self.rollout_routing = None
         if trainable:
             self._make_trainable(model_config, total_optimizer_steps)

@@ -106,15 +106,15 @@ class LoRAAdapter(torch.nn.Module):
         self.sequence_parallel = tp > 1 and getattr(linear, "sequence_parallel", False)
         self.enabled = True
         weight = linear.weight
-        split = (sum(part.out_features for part in parts) // tp, parts[0].in_features) if kind == "column" else (
+        shard = (sum(part.out_features for part in parts) // tp, parts[0].in_features) if kind == "column" else (
             parts[0].out_features, parts[0].in_features // tp)
-        if tuple(weight.shape) != split:
+        if tuple(weight.shape) != shard:
             # Transformer Engine keeps multi-latent attention's down projections whole on every TP rank.
             raise ValueError(f"actor.lora on {linear_path}: its weight on this rank is {tuple(weight.shape)}, not "
-                             f"{split} (split over TP {tp}); set model.layer_spec=local")
+                             f"{shard} (split over TP {tp}); set model.layer_spec=local")
         self.dropout = torch.nn.Dropout(settings.dropout) if settings.dropout else torch.nn.Identity()
         for part in parts:
-            if part.target not in self.targets():
+            if not _targeted(part.target, settings):
                 continue
             name = f"lora {part.target}" + ("" if expert is None else f" expert {expert}")
             generator = torch.Generator().manual_seed(derive_seed(seed, name, step=layer))
@@ -277,7 +277,7 @@ def apply_lora(model: torch.nn.Module, arch: Architecture, settings: LoRASetting
             if experts.tp_group.size() > 1:
                 # linear_fc1's shard is [gate_t; up_t]: its rows of the fused B are not one slice.
                 raise ValueError("actor.lora on routed experts needs expert tensor parallelism 1; set "
-                                 "actor.etp=1")
+                                 "actor.etp=1 (with actor.ep > 1 when actor.tp > 1)")
             first = layer.mlp.local_expert_indices[0]
             ffn = arch.moe_ffn_hidden_size
             for i, expert in enumerate(experts.local_experts):

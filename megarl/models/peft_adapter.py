@@ -37,9 +37,14 @@ def peft_name(layer: int, target: str, matrix: str) -> str:
 
 def peft_expert_name(layer: int, weight: str, weights: list[str], matrix: str) -> str:
     """PEFT's name of `matrix` of the routed experts' adapter on fused weight `weight` of `weights` (the targeted
-    ones, in the adapter config's order)."""
+    ones, `_expert_weights`)."""
     nesting = "base_layer." * (len(weights) - 1 - weights.index(weight))
     return f"base_model.model.model.layers.{layer}.mlp.experts.{nesting}lora_{matrix}.weight"
+
+
+def _expert_weights(settings: LoRASettings) -> list[str]:
+    """A routed expert's fused weights `settings` adapts, in the experts module's order of its parameters."""
+    return [weight for weight, targets in EXPERT_TARGETS.items() if set(targets) <= set(settings.target_modules)]
 
 
 def _peft_targets(settings: LoRASettings, experts: bool) -> dict:
@@ -48,7 +53,7 @@ def _peft_targets(settings: LoRASettings, experts: bool) -> dict:
     if not experts:
         return {"target_modules": sorted(settings.target_modules), "target_parameters": [], "rank_pattern": {},
                 "alpha_pattern": {}}
-    weights = [weight for weight, targets in EXPERT_TARGETS.items() if set(targets) <= set(settings.target_modules)]
+    weights = _expert_weights(settings)
     doubled = "gate_up_proj" in weights
     return {"target_modules": sorted(set(settings.target_modules) - set(MLP_TARGETS)), "target_parameters": weights,
             "rank_pattern": {r".*\.gate_up_proj": 2 * settings.rank} if doubled else {},
@@ -78,7 +83,7 @@ def _whole_pairs(adapters: list[LoRAAdapter], settings: LoRASettings, layout: Pa
                 tensor = torch.cat(collectives.all_gather(tensor.contiguous(), group=adapter.group),
                                    parameter.partition_dim)
             whole[peft_name(adapter.layer, target, matrix)] = tensor.cpu()
-    weights = _peft_targets(settings, experts=True)["target_parameters"]
+    weights = _expert_weights(settings)
     for (layer, weight), pairs in experts.items():
         a, b = (torch.cat(collectives.all_gather(torch.stack(local).detach(), group=layout.ep_group)).cpu()
                 for local in zip(*pairs))  # (E, R, in), (E, out, R) in global expert order
@@ -129,7 +134,7 @@ def check_peft_config(path: str | Path, settings: LoRASettings, experts: bool) -
 def load_peft(adapters: list[LoRAAdapter], settings: LoRASettings, path: str | Path) -> None:
     """Copy a PEFT adapter's pairs into this rank's adapters (each shard sliced from the whole tensor)."""
     check_peft_config(path, settings, _has_experts(adapters))
-    expert_weights = _peft_targets(settings, experts=True)["target_parameters"]
+    expert_weights = _expert_weights(settings)
     weights_file = Path(path) / WEIGHTS_FILE
     tensors = load_file(weights_file)
     for adapter, target in _layered(adapters):
