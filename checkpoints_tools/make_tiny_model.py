@@ -202,6 +202,8 @@ def main(argv=None) -> None:
     parser.add_argument("--tied", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--value-model", action="store_true", help="a *ForTokenClassification value model")
     parser.add_argument("--init-std", type=float, default=0.05)
+    parser.add_argument("--eos-scale", type=float, default=1.0,
+                        help="scale EOS's output row (tied: its embedding): 16 ends random responses at varied lengths")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-shard-size", default="50MB", help="shard the safetensors above this size")
     parser.add_argument("--bos", action="store_true", help="a tokenizer whose post-processor prepends a BOS token")
@@ -212,6 +214,9 @@ def main(argv=None) -> None:
     model_class = AutoModelForTokenClassification if args.value_model else AutoModelForCausalLM
     model = model_class.from_config(config, dtype=torch.float32)
     randomize(model, args.init_std, args.seed)
+    if not args.value_model:
+        with torch.no_grad():
+            model.get_output_embeddings().weight[tokenizer.eos_token_id] *= args.eos_scale
     model.save_pretrained(args.out, max_shard_size=args.max_shard_size)
     tokenizer.save_pretrained(args.out)
     if not args.value_model:

@@ -26,6 +26,8 @@ TINY_MODELS = {
     "qwen2-value": ["--family", "qwen2", "--value-model"],
     "qwen3-tied": ["--family", "qwen3"],
     "qwen3-untied": ["--family", "qwen3", "--no-tied"],
+    # (appended: a model's seed is its position here)
+    "qwen2-varied-lengths": ["--family", "qwen2", "--eos-scale", "16"],
 }
 # Every mixture-of-experts family (8 experts, top-2): Qwen3-MoE renormalises its top-k routing
 # weights, Qwen2-MoE does not and has a gated shared expert; plus an untied model and a value model.

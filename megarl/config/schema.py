@@ -471,6 +471,19 @@ class RolloutConfig:
     """With trainer.placement=split: the last this many ranks of the world host the rollout engines
     (replicas of `tp` ranks) and nothing else; the others train."""
 
+    partial_tokens: int = 0
+    """With trainer.placement=split: partial rollouts. Each engine round generates at most this many more
+    tokens of every unfinished response in flight, and the rollout ranks keep running rounds while the
+    trainer trains; a response left unfinished continues in a later round on whatever weights the engine
+    then holds, so the slowest response no longer sets the step. Every token keeps the policy version that
+    sampled it and its log-prob under that version; a group whose oldest token is more than
+    trainer.max_staleness versions behind is generated anew (`megarl.generation.partial`). 0: every batch is
+    generated whole, at once."""
+
+    partial_groups: int = 0
+    """Partial rollouts: prompt groups (a prompt's `n` responses) in flight at once; more keeps the engine's
+    batch full through the long tail, at the price of older tokens. 0: data.train_batch_size."""
+
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn (agentic) rollouts: tools, environments, sandbox."""
 

@@ -77,9 +77,10 @@ class Rollouts:
     elsewhere); empty for single-turn rollouts."""
     trajectory_stats: dict[str, list[float]] = named_columns()
     """Multi-turn rollouts: per-trajectory counts (turns, tool calls, tool errors, model tokens) on every rank."""
-    policy_versions: list[int] = column()
-    """Split placement: the policy version that generated each sequence (v: the weights after RL step v,
-    0 the initial ones); empty where the engine always holds the trainer's current weights (colocated)."""
+    token_versions: list[list[int] | None] = column()
+    """Split placement: the policy version that sampled each response token (v: the weights after RL step v,
+    0 the initial ones; a partial rollout's response may span several); empty where the engine always holds
+    the trainer's current weights (colocated)."""
 
     def __len__(self) -> int:
         return len(self.group_ids)
@@ -154,12 +155,18 @@ def collect_rollouts(prompts: list[Prompt], engine: RolloutEngine, sampling: Sam
         if engine.routed_experts_shape is not None:
             rollouts.routed_experts[start * n : stop * n] = output.routed_experts
         if rank % engine_tp == 0:  # the replica's other ranks hold the same responses
-            texts = tokenizer.batch_decode(output.response_ids, skip_special_tokens=True)
-            prompt_texts = tokenizer.batch_decode([p.prompt_ids for p in prompts[start:stop]], skip_special_tokens=True)
-            result = score_responses(rewards, rollouts.prompts[start * n : stop * n], texts,
-                                     [text for text in prompt_texts for _ in range(n)])
+            result = score_generated(prompts[start:stop], output, n, tokenizer, rewards)
     share_scores(rollouts, output, result, start * n)
     return rollouts
+
+
+def score_generated(prompts: list[Prompt], output: RolloutOutput, n: int, tokenizer,
+                    rewards: RewardManager) -> RewardResult:
+    """`output`'s responses (`n` per prompt of `prompts`, prompt-major) decoded and scored."""
+    texts = tokenizer.batch_decode(output.response_ids, skip_special_tokens=True)
+    prompt_texts = tokenizer.batch_decode([p.prompt_ids for p in prompts], skip_special_tokens=True)
+    return score_responses(rewards, [p for p in prompts for _ in range(n)], texts,
+                           [text for text in prompt_texts for _ in range(n)])
 
 
 def score_responses(rewards: RewardManager, prompts: list[Prompt], texts: list[str],

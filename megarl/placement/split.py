@@ -22,6 +22,13 @@ that made them are gone. On resume the rollout ranks take back the queue and adv
 past it; the trainer's sampler, saved at step s, checks each received batch's prompts, so a prompt
 lost or repeated across a resume stops the run with the step named.
 
+Partial rollouts (`rollout.partial_tokens`, `megarl.generation.partial`) make B_s of the first groups to
+finish, whichever prompts they came from: the rollout ranks run rounds of a few tokens per response, take
+B_s after the sync to s-1 and, while the trainer trains on it, run the rounds that finish B_(s+1) (in
+place of generating ahead); a response left unfinished continues after the next sync on the newer weights.
+The bound on staleness counts each response's oldest token, every token carries its version, and the
+checkpoint holds the responses in flight and the rollout ranks' sampler (the trainer's goes unused).
+
 Batches travel whole from the first rollout rank to every rank (one broadcast; the trainer ranks
 then keep their DP share): O(batch) bytes per trainer rank, not O(share).
 """
@@ -45,6 +52,7 @@ from megarl.generation.collector import RolloutCollector
 from megarl.generation.engine import EngineSettings, start_rollout_engine
 from megarl.generation.inputs import RunInputs
 from megarl.generation.judge import training_rewards
+from megarl.generation.partial import PartialRollouts
 from megarl.generation.rollouts import Rollouts, move_responses
 from megarl.generation.validation import validation_metrics
 from megarl.models.architecture import Architecture
@@ -68,12 +76,14 @@ class SplitPlacement(Placement):
         self.engine_version: int | None = None
 
     def start(self, start_step: int, sampler_state: dict, saved: dict) -> None:
-        """Tell the rollout ranks where the run starts: the trainer's sampler and the saved queue."""
-        self.world.broadcast_object((start_step, sampler_state, saved.get("rollout_queue", [])), root=0)
+        """Tell the rollout ranks where the run starts: the trainer's sampler and what they saved."""
+        self.world.broadcast_object((start_step, sampler_state, saved), root=0)
 
     def rollouts(self, step: int, timer: PhaseTimer) -> StepRollouts:
         self._sync_to(step - 1, timer)
-        rollouts, metrics = self._receive(step, self.inputs.sampler.next_batch(), timer)
+        # Partial rollouts take prompts as groups finish: the rollout ranks' sampler alone knows which.
+        expected = None if self.config.rollout.partial_tokens else self.inputs.sampler.next_batch()
+        rollouts, metrics = self._receive(step, expected, timer)
         return StepRollouts(rollouts, None, {**metrics, "rollout/filter_rounds": 1.0})
 
     def validate(self, step: int) -> dict[str, float]:
@@ -82,8 +92,8 @@ class SplitPlacement(Placement):
         return self.world.broadcast_object(None, root=self.world.first_rollout_rank)
 
     def checkpoint_state(self) -> dict:
-        """The batches generated but not yet trained on."""
-        return {"rollout_queue": self.world.broadcast_object(None, root=self.world.first_rollout_rank)}
+        """The batches generated but not yet trained on (partial rollouts: the responses in flight too)."""
+        return self.world.broadcast_object(None, root=self.world.first_rollout_rank)
 
     def shutdown(self) -> None:
         pass  # the rollout ranks own the engines
@@ -95,26 +105,29 @@ class SplitPlacement(Placement):
                 self.sync.sync(version)
             self.engine_version = version
 
-    def _receive(self, step: int, expected_indices: list[int], timer: PhaseTimer
+    def _receive(self, step: int, expected_indices: list[int] | None, timer: PhaseTimer
                 ) -> tuple[Rollouts, dict[str, float]]:
-        """B_step, whose prompts must be `expected_indices` (the trainer's sampler), and the metrics of
-        its making: staleness, the rollout ranks' generation and idle time, the sync before it."""
+        """B_step, whose prompts must be `expected_indices` (the trainer's sampler; None: any), and the
+        metrics of its making: staleness, the rollout ranks' generation and idle time, the sync before it."""
         with timer("wait_for_rollout"):
             payload = self.world.broadcast_object(None, root=self.world.first_rollout_rank)
         if payload["error"] is not None:
             raise RewardFunctionError(payload["error"])
-        if payload["step"] != step or payload["indices"] != expected_indices:
+        if payload["step"] != step or expected_indices not in (None, payload["indices"]):
             raise RuntimeError(f"step {step}: the rollout ranks generated batch {payload['step']} for prompts "
                                f"{payload['indices'][:8]}..., the trainer's sampler is at prompts "
-                               f"{expected_indices[:8]}...: a prompt would be lost or repeated")
-        logger.debug("step %d: trains on prompts %s of policy version %d", step, payload["indices"], payload["version"])
-        staleness = step - 1 - payload["version"]
+                               f"{(expected_indices or [])[:8]}...: a prompt would be lost or repeated")
+        ages = [step - 1 - version for versions in payload["token_versions"] for version in versions]
+        staleness = max(ages, default=0)
+        logger.debug("step %d: trains on prompts %s of policy version %d", step, payload["indices"], step - 1 - staleness)
         if staleness > self.config.trainer.max_staleness:
-            raise RuntimeError(f"step {step}: its batch was generated by policy version {payload['version']}, "
+            raise RuntimeError(f"step {step}: its batch has tokens of policy version {step - 1 - staleness}, "
                                f"{staleness} versions old; trainer.max_staleness={self.config.trainer.max_staleness}")
-        metrics = {"rollout/staleness": float(staleness), "rollout/policy_version": float(payload["version"]),
+        spanning = [len(set(versions)) > 1 for versions in payload["token_versions"]]
+        metrics = {"rollout/staleness": float(staleness), "rollout/staleness_mean": sum(ages) / max(len(ages), 1),
+                   "rollout/multi_version_responses": sum(spanning) / max(len(spanning), 1),
                    "timing/rollout_generate": payload["generate_seconds"],
-                   "timing/rollout_idle": payload["idle_seconds"]}
+                   "timing/rollout_idle": payload["idle_seconds"], **payload["metrics"]}
         if payload["sync"] is not None:
             metrics.update(sync_metrics(SyncStats(**payload["sync"])))
         return rollouts_from_payload(payload, self.inputs.train_data, self.config.rollout.n), metrics
@@ -130,39 +143,66 @@ class RolloutWorker:
         rollout = config.rollout
         self.engine = start_rollout_engine(EngineSettings.of_run(config), dummy_weights=True)
         self.sync = CrossGroupSync(world, rollout.tp, rollout.bucket_mib << 20, engine=self.engine)
-        self.collector = RolloutCollector(config, inputs.tokenizer, training_rewards(config, inputs.rewards),
-                                          inputs.rewards)
+        rewards = training_rewards(config, inputs.rewards)
+        self.collector = RolloutCollector(config, inputs.tokenizer, rewards, inputs.rewards)
+        self.partial = (PartialRollouts(config, inputs.tokenizer, rewards, self.train_data, self.sampler, self.engine)
+                        if rollout.partial_tokens else None)
         self.engine_version: int | None = None
         self.last_sync: SyncStats | None = None
-        """The latest sync's statistics, sent with the next batch generated."""
+        """The latest sync's statistics, sent with the next batch."""
         self.queue: collections.deque[dict] = collections.deque()
-        self.idle_seconds = 0.0
+        """Whole batches generated ahead, B_(s+1) first while the trainer trains on B_s."""
+        self.idle_seconds = self.generate_seconds = 0.0
+        """Since the last batch sent."""
 
     def fit(self) -> None:
         """The rollout ranks' mirror of `RLTrainer.fit` (module docstring)."""
         trainer = self.config.trainer
-        start, sampler_state, queue = self.world.broadcast_object(None, root=0)
+        start, sampler_state, saved = self.world.broadcast_object(None, root=0)
         self.sampler.load_state_dict(sampler_state)
-        for payload in queue:
+        for payload in saved.get("rollout_queue", []):
             self.sampler.next_batch()
             self.queue.append(payload)
-        next_batch = start + len(self.queue)
+        if self.partial is not None and "rollout_partial" in saved:
+            self.partial.load_state_dict(saved["rollout_partial"])
         if self.val_data is not None and trainer.val_before_train and start == 1:
             self._validate(0)
         freeze_start_up_objects()
         for step in range(start, trainer.total_steps + 1):
             self._sync_to(step - 1)
-            if next_batch <= step:
-                next_batch = self._generate(next_batch, version=step - 1)
-            self._send(self.queue.popleft())
-            while next_batch <= min(step + trainer.max_staleness, trainer.total_steps):
-                next_batch = self._generate(next_batch, version=step - 1)
+            self._send(self._batch(step))
+            if step < trainer.total_steps:
+                self._generate_ahead(step)
             if self.val_data is not None and (step == trainer.total_steps or
                                               (trainer.test_freq and step % trainer.test_freq == 0)):
                 self._validate(step)
             if trainer.save_freq and (step % trainer.save_freq == 0 or step == trainer.total_steps):
-                self._send(list(self.queue))
+                self._send({"rollout_queue": list(self.queue),
+                            **({"rollout_partial": self.partial.state_dict()} if self.partial is not None else {})})
         self.engine.shutdown()
+
+    def _batch(self, step: int) -> dict:
+        """B_step's payload: queued, or made now with the weights of step - 1."""
+        if self.partial is not None:
+            start = time.perf_counter()
+            rollouts, indices, metrics = self.partial.take(step, version=step - 1)
+            self.generate_seconds += time.perf_counter() - start
+            return self._payload(rollouts, step, indices, metrics)
+        if not self.queue:
+            self.queue.append(self._generate(step, version=step - 1))
+        return self.queue.popleft()
+
+    def _generate_ahead(self, step: int) -> None:
+        """While the trainer trains on B_step, with the weights of step - 1: the next whole batches, up to
+        `trainer.max_staleness` of them, or the rounds of partial rollouts that finish B_(step+1)."""
+        start = time.perf_counter()
+        if self.partial is not None:
+            self.partial.fill(step + 1, version=step - 1)
+        else:
+            last = min(step + self.config.trainer.max_staleness, self.config.trainer.total_steps)
+            while step + 1 + len(self.queue) <= last:
+                self.queue.append(self._generate(step + 1 + len(self.queue), version=step - 1))
+        self.generate_seconds += time.perf_counter() - start
 
     def _sync_to(self, version: int) -> None:
         if version != self.engine_version:
@@ -176,20 +216,26 @@ class RolloutWorker:
         self.world.broadcast_object(value, root=self.world.first_rollout_rank)
         self.idle_seconds += time.perf_counter() - start
 
-    def _generate(self, step: int, version: int) -> int:
-        """Generate B_step with the engine's weights (`version`) into the queue; returns step + 1."""
+    def _generate(self, step: int, version: int) -> dict:
+        """B_step, generated whole with the engine's weights (`version`)."""
         indices = self.sampler.next_batch()
         prompts = [self.train_data[i] for i in indices]
         start = time.perf_counter()
         rollouts = self.collector.collect(prompts, self.engine, self.collector.sampling(step, validation=False))
         move_responses(rollouts, [list(range(len(rollouts)))] + [[]] * (self.world.num_rollout_ranks - 1),
                        self.config.rollout.tp)
-        payload = batch_payload(rollouts, step, indices, version)
-        payload["generate_seconds"], payload["idle_seconds"] = time.perf_counter() - start, self.idle_seconds
-        payload["sync"] = dataclasses.asdict(self.last_sync) if self.last_sync is not None else None
-        self.idle_seconds, self.last_sync = 0.0, None
-        self.queue.append(payload)
-        return step + 1
+        rollouts.token_versions = [[version] * length for length in rollouts.response_lengths]
+        self.generate_seconds += time.perf_counter() - start
+        return self._payload(rollouts, step, indices, {})
+
+    def _payload(self, rollouts: Rollouts, step: int, indices: list[int], metrics: dict[str, float]) -> dict:
+        """The batch as sent, with how it was made since the previous one."""
+        payload = batch_payload(rollouts, step, indices)
+        payload.update(generate_seconds=self.generate_seconds, idle_seconds=self.idle_seconds, metrics=metrics,
+                       sync=dataclasses.asdict(self.last_sync) if self.last_sync is not None else None)
+        self.idle_seconds = self.generate_seconds = 0.0
+        self.last_sync = None
+        return payload
 
     def _validate(self, step: int) -> None:
         self._sync_to(step)
@@ -197,7 +243,7 @@ class RolloutWorker:
         self._send(validation_metrics(rollouts, self.config.rollout.val_n))
 
 
-def batch_payload(rollouts: Rollouts, step: int, indices: list[int], version: int) -> dict:
+def batch_payload(rollouts: Rollouts, step: int, indices: list[int]) -> dict:
     """A generated batch as plain values (JSON-safe, for checkpoints); responses as the first rollout
     rank holds them. `error`: why no reward call succeeded, if none did."""
     failed = len(rollouts) and rollouts.num_reward_errors + rollouts.num_reward_timeouts == len(rollouts)
@@ -205,9 +251,9 @@ def batch_payload(rollouts: Rollouts, step: int, indices: list[int], version: in
     if failed:
         error = (f"all {len(rollouts)} reward calls failed ({rollouts.num_reward_errors} errors, "
                  f"{rollouts.num_reward_timeouts} timeouts); first: {rollouts.first_reward_failure}")
-    return {"step": step, "version": version, "indices": indices, "response_ids": rollouts.response_ids,
-            "logprobs": rollouts.rollout_logprobs, "finish_reasons": rollouts.finish_reasons,
-            "scores": rollouts.scores, "score_extras": rollouts.score_extras,
+    return {"step": step, "indices": indices, "response_ids": rollouts.response_ids,
+            "logprobs": rollouts.rollout_logprobs, "token_versions": rollouts.token_versions,
+            "finish_reasons": rollouts.finish_reasons, "scores": rollouts.scores, "score_extras": rollouts.score_extras,
             "num_reward_errors": rollouts.num_reward_errors, "num_reward_timeouts": rollouts.num_reward_timeouts,
             "first_reward_failure": rollouts.first_reward_failure, "error": error}
 
@@ -222,4 +268,4 @@ def rollouts_from_payload(payload: dict, dataset: PromptDataset, n: int) -> Roll
         response_ids=payload["response_ids"], rollout_logprobs=payload["logprobs"],
         finish_reasons=payload["finish_reasons"], scores=payload["scores"], score_extras=payload["score_extras"],
         num_reward_errors=payload["num_reward_errors"], num_reward_timeouts=payload["num_reward_timeouts"],
-        first_reward_failure=payload["first_reward_failure"], policy_versions=[payload["version"]] * num_sequences)
+        first_reward_failure=payload["first_reward_failure"], token_versions=payload["token_versions"])

@@ -16,11 +16,14 @@ rollout rank generated ahead: killed twice while that batch is queued, the resum
 step on exactly the uninterrupted run's prompts, none lost or repeated, and no sample it trains on is
 more than one policy version old. It trains in bf16, whose fp32 norm weights (megatron's torch norm)
 beside bf16 parameters once made the distributed optimizer save each one's Adam state under another's name.
+With partial rollouts (vLLM engine, staleness 2) the checkpoints resumed hold responses half generated, which
+the resumed job finishes on the next weights exactly as the uninterrupted run did.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import re
 import shutil
 from dataclasses import dataclass
@@ -59,6 +62,12 @@ JOBS = {
                       ("trainer.placement=split", "rollout.num_ranks=1", "trainer.max_staleness=1",
                        "rollout.backend=hf", "model.dtype=bfloat16"), ("actor",),
                       async_save=False),
+    # Partial rollouts: responses of varied lengths (most would run to 8 tokens on the other models) continue,
+    # 3 tokens a round, across weight updates.
+    "grpo_split_partial": Job("configs/quickstart.yaml", "quickstart_grpo",
+                              ("trainer.placement=split", "rollout.num_ranks=1", "trainer.max_staleness=2",
+                               "rollout.partial_tokens=3", "rollout.partial_groups=6", "rollout.n=2"), ("actor",),
+                              async_save=False, model="qwen2-varied-lengths"),
     "grpo_lora_ep2": Job("configs/quickstart.yaml", "quickstart_grpo",
                          ("actor.ep=2", "actor.lora.rank=4", "actor.lora.alpha=8"), ("actor",), async_save=False,
                          model="qwen3-moe"),
@@ -186,7 +195,8 @@ def _kills(name: str, checkpoints: Path) -> list:
     """When and how each launch dies: GRPO-DP2 (and LoRA at EP2) loses its agent during a rollout, then crashes during
     a save; PPO-TP2 crashes during an actor update, then during an asynchronous save (its shards still
     being written while the next step trains)."""
-    if name == "grpo_split":  # the batch of step 3 (2) is queued: generated during the update of step 2 (3)
+    if name in ("grpo_split", "grpo_split_partial"):  # the batch of step 3 (2) is queued or in flight: generated
+        # during the update of step 2 (3)
         return [(lambda launch: launch.phase_began(2, "update_actor"), Launch.crash),
                 (lambda launch: launch.phase_began(3, "update_actor"), Launch.crash)]
     if name in ("grpo_dp2", "grpo_lora_ep2"):
@@ -215,6 +225,10 @@ def test_a_job_killed_twice_resumes_bitwise(models, arithmetic, tmp_path, uninte
         loaded = _latest_step(tmp_path, job)
         assert 0 < loaded < TOTAL_STEPS, f"nothing to resume from, or nothing left to train ({loaded})"
         trained |= {step: batch for step, batch in launch.trained_batches().items() if step <= loaded}
+        if name == "grpo_split_partial":  # the checkpoint resumed holds responses half generated
+            state = json.loads((checkpoints / f"global_step_{loaded}/trainer_state.json").read_text())
+            in_flight = [r for group in state["placement"]["rollout_partial"]["in_flight"] for r in group["responses"]]
+            assert any(r["ids"] and r["finish_reason"] is None for r in in_flight), in_flight
         launch = Launch(tmp_path, args)
     launch.finish()
     _assert_resumed(launch, loaded, finished=True)
@@ -222,7 +236,10 @@ def test_a_job_killed_twice_resumes_bitwise(models, arithmetic, tmp_path, uninte
     if "trainer.placement=split" in job.overrides:
         trained |= launch.trained_batches()
         assert trained == uninterrupted[name][2]
+    if name == "grpo_split":
         assert [version for _, version in trained.values()] == [0, 0, 1, 2]  # staleness 0, then 1: the bound
+    if name == "grpo_split_partial":  # some responses were continued on newer weights
+        assert max(uninterrupted[name][1]["rollout/multi_version_responses"].values()) > 0
     for engine in job.engines:
         assert _adam_steps(tmp_path, job, engine) == {float(TOTAL_STEPS * TRAIN_BATCH_SIZE // MINI_BATCH_SIZE)}
 

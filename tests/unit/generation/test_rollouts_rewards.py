@@ -41,18 +41,18 @@ def test_extras_a_round_lacks_are_nan_and_stay_aligned_through_select_and_extend
 
 
 def test_every_column_follows_its_sequence_and_counts_add_up():
-    # Multi-turn and split placement's columns too: loss masks, policy versions, trajectory counts.
+    # Multi-turn and split placement's columns too: loss masks, token versions, trajectory counts.
     first = _rollouts([0, 0, 1, 1], [1.0, 0.0, 0.5, 0.0], {}, errors=1, first="item 1 failed")
-    first.loss_masks, first.policy_versions = [[1], [0], [1], [1]], [3, 3, 4, 4]
+    first.loss_masks, first.token_versions = [[1], [0], [1], [1]], [[3], [3], [4], [4, 5]]
     first.trajectory_stats = {"turns": [1.0, 2.0, 3.0, 4.0]}
     picked = first.select([3, 0])
     assert picked.group_ids == [1, 0] and picked.scores == [0.0, 1.0] and picked.response_ids == [[11], [10]]
-    assert picked.loss_masks == [[1], [1]] and picked.policy_versions == [4, 3]
+    assert picked.loss_masks == [[1], [1]] and picked.token_versions == [[4, 5], [3]]
     assert picked.trajectory_stats == {"turns": [4.0, 1.0]} and picked.num_reward_errors == 1
     second = _rollouts([0, 0], [0.0, 0.0], {}, errors=2, first="item 0 failed")
-    second.loss_masks, second.policy_versions, second.trajectory_stats = [[0], [1]], [5, 5], {"turns": [9.0, 9.0]}
+    second.loss_masks, second.token_versions, second.trajectory_stats = [[0], [1]], [[5], [5]], {"turns": [9.0, 9.0]}
     picked.extend(second)
-    assert picked.group_ids == [1, 0, 2, 2] and picked.policy_versions == [4, 3, 5, 5]
+    assert picked.group_ids == [1, 0, 2, 2] and picked.token_versions == [[4, 5], [3], [5], [5]]
     assert picked.trajectory_stats == {"turns": [4.0, 1.0, 9.0, 9.0]} and picked.loss_masks[2:] == [[0], [1]]
     assert picked.num_reward_errors == 3 and picked.first_reward_failure == "item 1 failed"
 
