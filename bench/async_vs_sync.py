@@ -2,6 +2,7 @@
 
     python bench/async_vs_sync.py                  # 2 processes: colocated, split 1+1 at staleness 0, 1, 2
     python bench/async_vs_sync.py --nproc 2 4      # also 4 processes: colocated, split 2+2 at 0, 1, 2
+    python bench/async_vs_sync.py --long-tail --seeds 3    # long responses: colocated, split at 2, partial rollouts
 
 The quick start's GRPO task (configs/quickstart.yaml: the tiny Qwen2 after its SFT warm start, made
 as `make quickstart` makes it when missing; "a+b=" prompts, 16 x 8 samples a step, <= 8 response
@@ -10,6 +11,14 @@ tokens), the same seed and steps for every contender: colocated synchronous on e
 generating (`trainer.placement=split rollout.num_ranks=N/2`) at `trainer.max_staleness` 0, 1 and 2.
 Held-out greedy accuracy on the 500 test prompts before training, every --eval-every steps and at
 the end; evaluation is outside the timed steps.
+
+--long-tail: the same task with responses of long-tailed length, as reasoning runs have (the quick start's
+answers are all a few tokens long, which hides what asynchrony is for): the warm start learns to "think"
+(a run of dots) for a log-normal number of tokens before the sum (median 12, 10% over 48, 1% over 130, at
+most 200; `bench/common.py`), and responses may be 224 tokens long. Contenders: colocated synchronous,
+split at staleness 2, and split at staleness 2 with partial rollouts of --partial-tokens tokens a round.
+--seeds N runs every contender with trainer.seed 0 .. N-1 and prints, per contender, the mean training
+seconds to the threshold and the final accuracy with their spread over the seeds.
 
 Per contender: tokens/s (response tokens trained, the loss's, over the seconds of the timed steps,
 the first --warmup-steps left out), the trainer's wait for a batch (`timing/wait_for_rollout`), the
@@ -41,27 +50,34 @@ STALENESS = (0, 1, 2)
 
 @dataclass(frozen=True)
 class Contender:
-    """One placement at one process count; `staleness` None: colocated synchronous."""
+    """One placement at one process count; `staleness` None: colocated synchronous; `partial_tokens`: partial
+    rollouts (split placement); `seed`: trainer.seed (None: the config's)."""
 
     nproc: int
     staleness: int | None
+    partial_tokens: int = 0
+    seed: int | None = None
 
     @property
     def name(self) -> str:
         if self.staleness is None:
             return f"colocated {self.nproc}, sync"
         half = self.nproc // 2
-        return f"split {half}+{half}, staleness {self.staleness}"
+        partial = f", partial {self.partial_tokens}" if self.partial_tokens else ""
+        return f"split {half}+{half}, staleness {self.staleness}{partial}"
 
     @property
     def experiment(self) -> str:
-        return f"colocated_{self.nproc}" if self.staleness is None else f"split_{self.nproc}_k{self.staleness}"
+        name = f"colocated_{self.nproc}" if self.staleness is None else f"split_{self.nproc}_k{self.staleness}"
+        return name + (f"_p{self.partial_tokens}" if self.partial_tokens else "") + (
+            f"_seed{self.seed}" if self.seed is not None else "")
 
     def overrides(self) -> list[str]:
+        seed = [f"trainer.seed={self.seed}"] if self.seed is not None else []
         if self.staleness is None:
-            return ["trainer.placement=colocated"]
+            return ["trainer.placement=colocated", *seed]
         return ["trainer.placement=split", f"rollout.num_ranks={self.nproc // 2}",
-                f"trainer.max_staleness={self.staleness}"]
+                f"trainer.max_staleness={self.staleness}", f"rollout.partial_tokens={self.partial_tokens}", *seed]
 
 
 @dataclass
@@ -70,6 +86,7 @@ class Result:
 
     name: str
     nproc: int
+    seed: int | None
     colocated: bool
     step_seconds: list[float]
     step_tokens: list[float]
@@ -101,15 +118,15 @@ def table(results: list[Result], threshold: float, warmup: int) -> list[str]:
     def number(value: float | None, digits: int) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
-    lines = [f"{'contender':26} {'steps':>5} {'tokens/s':>8} {'x sync':>6} {'wait s':>6} {'idle s':>6} "
+    lines = [f"{'contender':34} {'steps':>5} {'tokens/s':>8} {'x sync':>6} {'wait s':>6} {'idle s':>6} "
              f"{'gen s':>6} {f'train s to {threshold:.0%}':>16} {'x sync':>6} {'final':>6} {'process s':>9}"]
     for result in results:
-        reference = next(r for r in results if r.colocated and r.nproc == result.nproc)
+        reference = next(r for r in results if r.colocated and r.nproc == result.nproc and r.seed == result.seed)
         reached, reference_reached = result.seconds_to(threshold), reference.seconds_to(threshold)
         sooner = reference_reached[1] / reached[1] if reached and reference_reached else None
         to_threshold = f"{reached[1]:.0f} (step {reached[0]})" if reached else "not reached"
         lines.append(
-            f"{result.name:26} {len(result.step_seconds):5} {result.tokens_per_second(warmup):8.0f} "
+            f"{result.name:34} {len(result.step_seconds):5} {result.tokens_per_second(warmup):8.0f} "
             f"{result.tokens_per_second(warmup) / reference.tokens_per_second(warmup):6.2f} "
             f"{number(mean_after(result.trainer_wait, warmup), 3):>6} "
             f"{number(mean_after(result.rollout_idle, warmup), 3):>6} "
@@ -121,7 +138,7 @@ def table(results: list[Result], threshold: float, warmup: int) -> list[str]:
 def run_contender(contender: Contender, model: Path, args: argparse.Namespace) -> Result:
     from common import torchrun
 
-    directory = run_directory(contender.nproc, args.override)
+    directory = run_directory(contender.nproc, args)
     shutil.rmtree(directory / contender.experiment, ignore_errors=True)  # never read a previous run's metrics
     directory.mkdir(parents=True, exist_ok=True)
     log = directory / f"{contender.experiment}.log"
@@ -129,7 +146,7 @@ def run_contender(contender: Contender, model: Path, args: argparse.Namespace) -
         "launchers/train_ppo.py", "--config", "configs/quickstart.yaml", f"model.path={model}",
         f"trainer.total_steps={args.steps}", f"trainer.test_freq={args.eval_every}",
         f"trainer.output_dir={directory}", f"trainer.experiment_name={contender.experiment}",
-        *contender.overrides(), *args.override]
+        *workload(args), *contender.overrides(), *args.override]
     start = time.perf_counter()
     with log.open("w") as file:
         status = subprocess.run(command, cwd=ROOT, stdout=file, stderr=subprocess.STDOUT,
@@ -152,7 +169,7 @@ def read_result(contender: Contender, directory: Path, wall_seconds: float) -> R
     history = metric_history(run / "mlflow.db", contender.experiment, extra=("response_length/mean",))
     colocated = contender.staleness is None
     return Result(
-        contender.name, contender.nproc, colocated, history["timing/step"],
+        contender.name, contender.nproc, contender.seed, colocated, history["timing/step"],
         [sequences * length for length in history["response_length/mean"]],
         [] if colocated else history["timing/wait_for_rollout"],
         [] if colocated else history["timing/rollout_idle"],
@@ -160,13 +177,57 @@ def read_result(contender: Contender, directory: Path, wall_seconds: float) -> R
         history["val/score/mean"], wall_seconds)
 
 
-def run_directory(nproc: int, overrides: list[str]) -> Path:
-    """Where one process count's runs go; runs with overrides apart from the plain ones."""
-    return OUT / "_".join([f"{nproc}proc", *overrides])
+def workload(args: argparse.Namespace) -> list[str]:
+    """The config overrides of the task: the quick start's (none), or its long-tailed variant's."""
+    from common import LONG_TAIL, LONG_TAIL_RESPONSE_LENGTH
+
+    if not args.long_tail:
+        return []
+    # The KV cache holds every sequence of a step at full length, partial rollouts' groups in flight too.
+    return [f"data.train_files=[{LONG_TAIL}/data/train.parquet]", f"data.val_files=[{LONG_TAIL}/data/test.parquet]",
+            f"data.max_response_length={LONG_TAIL_RESPONSE_LENGTH}", "rollout.kv_cache_mib=256"]
+
+
+def contenders(nproc: int, args: argparse.Namespace) -> list[Contender]:
+    seeds = range(args.seeds) if args.seeds else [None]
+    if args.long_tail:
+        placements = [(None, 0), (2, 0), (2, args.partial_tokens)]
+    else:
+        placements = [(None, 0)] + [(k, 0) for k in STALENESS]
+    return [Contender(nproc, k, partial, seed) for seed in seeds for k, partial in placements]
+
+
+def run_directory(nproc: int, args: argparse.Namespace) -> Path:
+    """Where one process count's runs go; the long-tailed task's and runs with overrides apart."""
+    return OUT / "_".join([*(["long_tail"] if args.long_tail else []), f"{nproc}proc", *args.override])
+
+
+def seed_summary(results: list[Result], threshold: float) -> list[str]:
+    """Per contender over its seeds: mean training seconds to `threshold` (when every seed reached it), its
+    ratio to colocated synchronous's at the same process count, and the final accuracy's mean and range."""
+    lines = [f"{'contender':34} {'seeds':>5} {f'train s to {threshold:.0%}':>16} {'x sync':>6} {'final %':>8} "
+             f"{'range':>11}"]
+    names = list(dict.fromkeys((r.nproc, r.name) for r in results))
+
+    def mean_seconds(nproc: int, name: str) -> float | None:
+        reached = [r.seconds_to(threshold) for r in results if (r.nproc, r.name) == (nproc, name)]
+        return None if None in reached else statistics.mean(seconds for _, seconds in reached)
+
+    for nproc, name in names:
+        runs = [r for r in results if (r.nproc, r.name) == (nproc, name)]
+        finals = [100 * r.accuracy[-1][1] for r in runs]
+        seconds = mean_seconds(nproc, name)
+        reference = mean_seconds(nproc, next(n for p, n in names if p == nproc and n.startswith("colocated")))
+        ratio = f"{reference / seconds:.2f}" if seconds and reference else "-"
+        lines.append(f"{name:34} {len(runs):5} {'not all' if seconds is None else f'{seconds:.0f}':>16} "
+                     f"{ratio:>6} {statistics.mean(finals):8.1f} {f'{min(finals):.1f}-{max(finals):.1f}':>11}")
+    return lines
 
 
 def report(results: list[Result], args: argparse.Namespace) -> None:
-    print(f"\nGRPO on the quick start (16 prompts x 8 samples, <= 8 response tokens), {args.steps} steps, "
+    task = ("the long-tailed task (16 prompts x 8 samples, thinking of log-normal length, <= 224 response tokens)"
+            if args.long_tail else "the quick start (16 prompts x 8 samples, <= 8 response tokens)")
+    print(f"\nGRPO on {task}, {args.steps} steps, "
           f"1 thread per process{', ' + ' '.join(args.override) if args.override else ''}")
     print(f"tokens/s: response tokens trained over the seconds of the timed steps (first {args.warmup_steps} left "
           "out); wait s / idle s / gen s: mean seconds per step of the trainer's wait for a batch, the rollout "
@@ -176,11 +237,15 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
     print("\n".join(table(results, args.threshold, args.warmup_steps)))
     print("\nheld-out greedy accuracy (%):")
     steps = [s for s, _ in results[0].accuracy]
-    print(f"  {'step':26} " + " ".join(f"{s:>5}" for s in steps))
+    print(f"  {'step':34} " + " ".join(f"{s:>5}" for s in steps))
     for result in results:
-        print(f"  {result.name:26} " + " ".join(f"{100 * a:5.1f}" for _, a in result.accuracy))
+        seed = f" seed {result.seed}" if result.seed is not None else ""
+        print(f"  {result.name + seed:34} " + " ".join(f"{100 * a:5.1f}" for _, a in result.accuracy))
+    if args.seeds:
+        print(f"\nover {args.seeds} seeds:")
+        print("\n".join(seed_summary(results, args.threshold)))
     for nproc in args.nproc:
-        (run_directory(nproc, args.override) / "results.json").write_text(
+        (run_directory(nproc, args) / "results.json").write_text(
             json.dumps([asdict(r) for r in results if r.nproc == nproc], indent=1))
 
 
@@ -192,6 +257,11 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=25, help="held-out evaluation period, in steps")
     parser.add_argument("--warmup-steps", type=int, default=2, help="first steps left out of the per-step numbers")
     parser.add_argument("--threshold", type=float, default=0.5, help="held-out greedy accuracy")
+    parser.add_argument("--long-tail", action="store_true", help="the task with long-tailed response lengths")
+    parser.add_argument("--partial-tokens", type=int, default=32,
+                        help="--long-tail: tokens a round of partial rollouts")
+    parser.add_argument("--seeds", type=int, default=0, help="run every contender with trainer.seed 0 .. N-1 "
+                        "(0: the config's seed, once)")
     parser.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE",
                         help="config overrides for every contender, e.g. algorithm.rollout_correction.preset=token_tis")
     args = parser.parse_args()
@@ -199,14 +269,14 @@ def main() -> None:
         sys.exit(f"--steps {args.steps}: none left after --warmup-steps {args.warmup_steps}")
     from common import ensure_quickstart_model
 
-    model = ensure_quickstart_model(OUT)
+    model = ensure_quickstart_model(OUT, long_tail=args.long_tail)
     cores = len(os.sched_getaffinity(0))
     results = []
     for nproc in args.nproc:
         if nproc > cores:
             print(f"note: {nproc} processes on {cores} cores: generation and training share the cores, so "
                   "overlapping them gains no compute here", flush=True)
-        for contender in [Contender(nproc, None)] + [Contender(nproc, k) for k in STALENESS]:
+        for contender in contenders(nproc, args):
             print(f"{contender.name}: {args.steps} steps ...", flush=True)
             results.append(run_contender(contender, model, args))
     report(results, args)

@@ -27,20 +27,35 @@ def ensure_bench_model() -> Path:
     return BENCH_MODEL
 
 
-def ensure_quickstart_model(log_dir: Path) -> Path:
+LONG_TAIL = ROOT / "outputs/bench/long_tail"
+LONG_TAIL_THINKING = ["--thinking-median", "12", "--thinking-sigma", "1.0", "--thinking-max", "200"]
+"""Warm-start targets of the long-tailed workload: the sum after log-normal "thinking" of median 12 tokens
+(10% over 48, 1% over 130, at most 200)."""
+LONG_TAIL_RESPONSE_LENGTH = 224
+"""data.max_response_length of the long-tailed workload: the longest warm-start target and its answer."""
+
+
+def ensure_quickstart_model(log_dir: Path, long_tail: bool = False) -> Path:
     """The quick start's SFT checkpoint (and its data), made as `make quickstart` makes them when missing;
-    the logs of making them go to `log_dir`."""
-    model = QUICKSTART / "quickstart_sft/hf"
+    `long_tail`: the same warm start on targets that "think" for a long-tailed number of tokens first
+    (`megarl.data.synthetic.LongTail`), in outputs/bench/long_tail. The logs of making them go to `log_dir`."""
+    out = LONG_TAIL if long_tail else QUICKSTART
+    model = out / "quickstart_sft/hf"
     if (model / "config.json").is_file():
         return model
     log_dir.mkdir(parents=True, exist_ok=True)
-    print("making the quick start's SFT checkpoint (as `make quickstart` does) ...", flush=True)
+    print(f"making {'the long-tailed' if long_tail else 'the quick start'}'s SFT checkpoint (as `make quickstart` "
+          "does) ...", flush=True)
+    sft_overrides = ([f"data.train_files=[{out}/data/train.parquet]", f"data.max_response_length="
+                      f"{LONG_TAIL_RESPONSE_LENGTH}", f"trainer.output_dir={out}"] if long_tail else [])
     for name, command in (
             ("make_model", [sys.executable, "checkpoints_tools/make_tiny_model.py", "--family", "qwen2",
                             "--out", str(QUICKSTART / "base")]),
             ("make_data", [sys.executable, "-m", "megarl.data.synthetic", "--task", "arithmetic", "--out-dir",
-                           str(QUICKSTART / "data"), "--num-train", "20000", "--num-test", "500", "--seed", "0"]),
-            ("sft", torchrun(2) + ["launchers/train_sft.py", "--config", "configs/quickstart_sft.yaml"])):
+                           str(out / "data"), "--num-train", "20000", "--num-test", "500", "--seed", "0",
+                           *(LONG_TAIL_THINKING if long_tail else [])]),
+            ("sft", torchrun(2) + ["launchers/train_sft.py", "--config", "configs/quickstart_sft.yaml",
+                                   *sft_overrides])):
         output = subprocess.run(command, cwd=ROOT, env=WORKER_ENV, capture_output=True, text=True)
         (log_dir / f"{name}.log").write_text(output.stdout + output.stderr)
         if output.returncode != 0:

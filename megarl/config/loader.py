@@ -142,8 +142,8 @@ def _check_placement(config: RunConfig) -> None:
     _check_at_least("rollout.partial_tokens", rollout.partial_tokens, 0)
     _check_at_least("rollout.partial_groups", rollout.partial_groups, 0)
     if rollout.partial_groups and not rollout.partial_tokens:
-        raise ConfigError(f"config key 'rollout.partial_groups' = {rollout.partial_groups} needs rollout.partial_tokens "
-                          "> 0 (partial rollouts); allowed: 0")
+        raise ConfigError(f"config key 'rollout.partial_groups' = {rollout.partial_groups} needs "
+                          "rollout.partial_tokens > 0 (partial rollouts); allowed: 0")
     if trainer.placement == "colocated":
         for key, value in (("rollout.num_ranks", rollout.num_ranks), ("trainer.max_staleness", trainer.max_staleness),
                            ("rollout.partial_tokens", rollout.partial_tokens)):

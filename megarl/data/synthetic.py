@@ -2,6 +2,10 @@
 
 - arithmetic: "a+b=" with a, b in [0, max_operand]; the answer is the sum (data_source
   "arithmetic"). Small models learn it within a few RL steps, which makes it a good smoke test.
+  With `thinking` (`LongTail`), each row's warm-start target (extra_info["answer"]) is a run of dots
+  of log-normal length, then the sum: a model warm-started on it answers after "thinking" for a
+  long-tailed number of tokens, as reasoning models do (the workload where asynchronous RL pays;
+  `bench/async_vs_sync.py --long-tail`). The reward still reads the first integer.
 - countdown: reach a target from 3-4 numbers in [1, 50] with + - * / and parentheses, using each
   number at most once (data_source "countdown"). The target is built by folding the numbers with
   random operations, so it is always reachable; the folding expression is kept in
@@ -22,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 from megarl.data.dataset import write_rows
@@ -60,20 +66,35 @@ def _check_counts(num_train: int, num_test: int) -> None:
         raise ValueError(f"num_train and num_test must be at least 1, got {num_train} and {num_test}")
 
 
+@dataclass(frozen=True)
+class LongTail:
+    """Lengths exp(N(log(median), sigma^2)) rounded, at most `cap`."""
+
+    median: float
+    sigma: float = 1.0
+    cap: int = 200
+
+    def draw(self, rng: random.Random) -> int:
+        return min(self.cap, round(rng.lognormvariate(math.log(self.median), self.sigma)))
+
+
 def make_arithmetic(num_train: int, num_test: int, seed: int, max_operand: int = 499, *,
-                    out_dir: str | Path) -> tuple[str, str]:
-    """Write `a+b=` tasks to out_dir/{train,test}.parquet; returns (train_path, test_path)."""
+                    thinking: LongTail | None = None, out_dir: str | Path) -> tuple[str, str]:
+    """Write `a+b=` tasks to out_dir/{train,test}.parquet; returns (train_path, test_path). `thinking`:
+    warm-start targets of that many dots before the sum."""
     _check_counts(num_train, num_test)
     num_pairs = (max_operand + 1) ** 2
     if num_train + num_test > num_pairs:
         raise ValueError(f"max_operand={max_operand} gives only {num_pairs} distinct questions, "
                          f"{num_train + num_test} requested")
     # Sampling distinct (a, b) pairs without replacement keeps train and test disjoint.
-    pairs = random.Random(seed).sample(range(num_pairs), num_train + num_test)
+    rng = random.Random(seed)
+    pairs = rng.sample(range(num_pairs), num_train + num_test)
     rows = []
     for pair in pairs:
         a, b = divmod(pair, max_operand + 1)
-        rows.append(_row(f"{a}+{b}=", "arithmetic", "arithmetic", str(a + b), {}))
+        extra = {"answer": "." * thinking.draw(rng) + f" {a + b}"} if thinking is not None else {}
+        rows.append(_row(f"{a}+{b}=", "arithmetic", "arithmetic", str(a + b), extra))
     return _write_split(rows, num_test, out_dir)
 
 
@@ -149,11 +170,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-test", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-operand", type=int, help="arithmetic (default 499) and multiplication (default 99)")
+    parser.add_argument("--thinking-median", type=float, help="arithmetic: warm-start targets think (dots) for a "
+                        "log-normal number of tokens of this median before the sum")
+    parser.add_argument("--thinking-sigma", type=float, default=1.0, help="arithmetic: the log-normal's sigma")
+    parser.add_argument("--thinking-max", type=int, default=200, help="arithmetic: at most this many dots")
     parser.add_argument("--tool-share", type=float, default=0.5, help="multiplication: share of warm-start targets "
                         "that use the calculator")
     args = parser.parse_args(argv)
     if args.task == "arithmetic":
-        paths = make_arithmetic(args.num_train, args.num_test, args.seed, args.max_operand or 499,
+        thinking = (LongTail(args.thinking_median, args.thinking_sigma, args.thinking_max)
+                    if args.thinking_median else None)
+        paths = make_arithmetic(args.num_train, args.num_test, args.seed, args.max_operand or 499, thinking=thinking,
                                 out_dir=args.out_dir)
     elif args.task == "multiplication":
         paths = make_multiplication(args.num_train, args.num_test, args.seed, args.tool_share, args.max_operand or 99,

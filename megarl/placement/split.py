@@ -119,9 +119,10 @@ class SplitPlacement(Placement):
                                f"{(expected_indices or [])[:8]}...: a prompt would be lost or repeated")
         ages = [step - 1 - version for versions in payload["token_versions"] for version in versions]
         staleness = max(ages, default=0)
-        logger.debug("step %d: trains on prompts %s of policy version %d", step, payload["indices"], step - 1 - staleness)
+        oldest = step - 1 - staleness
+        logger.debug("step %d: trains on prompts %s of policy version %d", step, payload["indices"], oldest)
         if staleness > self.config.trainer.max_staleness:
-            raise RuntimeError(f"step {step}: its batch has tokens of policy version {step - 1 - staleness}, "
+            raise RuntimeError(f"step {step}: its batch has tokens of policy version {oldest}, "
                                f"{staleness} versions old; trainer.max_staleness={self.config.trainer.max_staleness}")
         spanning = [len(set(versions)) > 1 for versions in payload["token_versions"]]
         metrics = {"rollout/staleness": float(staleness), "rollout/staleness_mean": sum(ages) / max(len(ages), 1),

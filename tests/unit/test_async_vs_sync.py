@@ -8,7 +8,7 @@ from bench.async_vs_sync import Result, table
 
 def run(name: str, colocated: bool, step_seconds: list[float], accuracy: list[tuple[int, float]]) -> Result:
     waits = [] if colocated else [0.1] * len(step_seconds)
-    return Result(name, 2, colocated, step_seconds, [100.0] * len(step_seconds), waits, waits,
+    return Result(name, 2, None, colocated, step_seconds, [100.0] * len(step_seconds), waits, waits,
                   [0.2] * len(step_seconds), accuracy, wall_seconds=30.0)
 
 
@@ -36,3 +36,18 @@ def test_table_ratios_against_colocated_synchronous():
                                     "50.0%", "30"]
     assert colocated.split()[-11:] == ["200", "1.00", "-", "-", "0.200", "2", "(step", "4)", "1.00", "60.0%", "30"]
     assert never.split()[-10:] == ["100", "0.50", "0.100", "0.100", "0.200", "not", "reached", "-", "45.0%", "30"]
+
+
+def test_seed_summary_means_seconds_to_threshold_and_ranges_final_accuracy():
+    from dataclasses import replace
+
+    from bench.async_vs_sync import seed_summary
+
+    runs = [replace(COLOCATED, seed=0), replace(COLOCATED, seed=1, step_seconds=[1.0, 1.5, 0.5, 0.5]),
+            replace(FASTER, seed=0), replace(FASTER, seed=1, accuracy=[(0, 0.4), (2, 0.45), (4, 0.6)])]
+    header, colocated, faster = seed_summary(runs, threshold=0.5)
+    # colocated: 2.5 s and 3.5 s to 50% (step 4); split: 2.25 s (step 2) and 2.75 s (step 4)
+    assert colocated.split()[-5:] == ["2", "3", "1.00", "60.0", "60.0-60.0"]
+    assert faster.split()[-5:] == ["2", "2", "1.20", "55.0", "50.0-60.0"]
+    never = seed_summary([replace(COLOCATED, seed=0), replace(NEVER, seed=0)], threshold=0.5)[2]
+    assert never.split()[-6:] == ["1", "not", "all", "-", "45.0", "45.0-45.0"]
