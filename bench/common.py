@@ -28,10 +28,11 @@ def ensure_bench_model() -> Path:
 
 
 LONG_TAIL = ROOT / "outputs/bench/long_tail"
-LONG_TAIL_THINKING = ["--thinking-median", "12", "--thinking-sigma", "1.0", "--thinking-max", "200"]
+LONG_TAIL_THINKING = ["--thinking-median", "12", "--thinking-sigma", "1.3", "--thinking-max", "400"]
 """Warm-start targets of the long-tailed workload: the sum after log-normal "thinking" of median 12 tokens
-(10% over 48, 1% over 130, at most 200)."""
-LONG_TAIL_RESPONSE_LENGTH = 224
+(10% over 64, 1% over 250, at most 400): a step's 128 responses mostly end within a few dozen tokens while
+its longest runs for hundreds, so generation, not training, sets the step, as in reasoning runs."""
+LONG_TAIL_RESPONSE_LENGTH = 416
 """data.max_response_length of the long-tailed workload: the longest warm-start target and its answer."""
 
 
@@ -44,8 +45,8 @@ def ensure_quickstart_model(log_dir: Path, long_tail: bool = False) -> Path:
     if (model / "config.json").is_file():
         return model
     log_dir.mkdir(parents=True, exist_ok=True)
-    print(f"making {'the long-tailed' if long_tail else 'the quick start'}'s SFT checkpoint (as `make quickstart` "
-          "does) ...", flush=True)
+    print(f"making {'the long-tailed task' if long_tail else 'the quick start'}'s SFT checkpoint (as `make "
+          "quickstart` does) ...", flush=True)
     sft_overrides = ([f"data.train_files=[{out}/data/train.parquet]", f"data.max_response_length="
                       f"{LONG_TAIL_RESPONSE_LENGTH}", f"trainer.output_dir={out}"] if long_tail else [])
     for name, command in (
