@@ -186,11 +186,10 @@ def workload(args: argparse.Namespace) -> list[str]:
     # The KV cache holds every sequence of a step at full length, partial rollouts' groups in flight too.
     # Greedy decoding "thinks" forever (a dot is always the likeliest next token): validation samples.
     # Micro-batches of a token budget: padding every sequence to the step's longest would make the tail
-    # cost training time too. Without overlapped gradient reduction: with both on, megatron's DDP at DP2 stops
-    # at the first update ("Communication call has not been issued for this bucket"; not yet understood).
+    # cost training time too.
     return [f"data.train_files=[{LONG_TAIL}/data/train.parquet]", f"data.val_files=[{LONG_TAIL}/data/test.parquet]",
             f"data.max_response_length={LONG_TAIL_RESPONSE_LENGTH}", "rollout.kv_cache_mib=256",
-            "rollout.val_temperature=1.0", "actor.use_dynamic_batch_size=true", "actor.overlap_grad_reduce=false"]
+            "rollout.val_temperature=1.0", "actor.use_dynamic_batch_size=true"]
 
 
 def contenders(nproc: int, args: argparse.Namespace) -> list[Contender]:

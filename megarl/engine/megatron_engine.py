@@ -199,6 +199,12 @@ class MegatronEngine:
             bucket_size=self.config.grad_bucket_size or self._layer_sized_bucket(),
         )
         self.model = DistributedDataParallel(self.module.config, ddp_config, self.module)
+        if ddp_config.overlap_grad_reduce:
+            # As megatron's own training does: every micro-batch but the last runs under no_sync. Without it
+            # the schedule counts each gradient as ready in every micro-batch, and megatron issues a bucket's
+            # reduction once the count matches the first step's: a step with another number of micro-batches
+            # (dynamic batching) never issued it ("Communication call has not been issued for this bucket").
+            self.module.config.no_sync_func = self.model.no_sync
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer=optim.optimizer, lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,

@@ -6,8 +6,9 @@ At every layout: log-probs and entropy (temperature 0.7) and critic values equal
 change the update. TP2xPP2 builds its engines for prompt groups, so they run each prompt once for the
 sequences that share it (`share_prompt_forward`; the batch holds two prompts sampled twice): the same
 outputs and step; the other layouts' engines, built without groups, do not share.
-DP2 reduces gradients in buckets while backward runs (`overlap_grad_reduce`) and also trains a bf16 copy
-of the policy for a few steps beside the fp32 one.
+DP2 reduces gradients in buckets while backward runs (`overlap_grad_reduce`), also at a step with fewer
+token-budget micro-batches than the steps before it, and trains a bf16 copy of the policy for a few steps beside
+the fp32 one.
 
 A tiny Qwen3-MoE is trained at EP1, EP2 and TP2xEP2 in one 2-process world (`moe_engine_checks.py`), built for
 prompt groups as an RL run builds it (it does not share them): its step, router losses included, equals
@@ -105,6 +106,10 @@ def test_layout_matches_transformers_and_tp1_step(baseline, layout_run, layout):
 def test_dp2_reduces_gradients_in_several_overlapped_buckets(layout_run):
     report, _ = layout_run("dp2")
     assert report["grad_buckets"] > 1  # its weights equal TP1's: test_layout_matches_transformers_and_tp1_step
+    # A later step with fewer token-budget micro-batches still reduces (megatron's schedule runs all but the
+    # last under DDP's no_sync; without it that step stopped: "Communication call has not been issued").
+    many, fewer = report["micro_batches"]
+    assert many > fewer >= 1 and report["fewer_micro_batches_loss"] > 0
 
 
 def test_bf16_accumulates_gradients_in_fp32_and_tracks_fp32_losses(layout_run):

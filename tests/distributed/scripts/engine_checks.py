@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 from megarl.config.schema import EngineConfig, ModelConfig, OptimizerConfig
 from megarl.distributed import finish_process, init_layout
 from megarl.engine.batch import SequenceBatch
-from megarl.engine.batching import balance_over_data_parallel
+from megarl.engine.batching import balance_over_data_parallel, budgeted_micro_batches
 from megarl.engine.megatron_engine import MegatronEngine
 from megarl.engine.prompt_sharing import PromptGroups
 from megarl.models.hf_interop import export_hf
@@ -126,6 +126,14 @@ if args.bf16_steps:
     ]
     report["bf16_losses"] = [bf16.train_mini_batch(batch, nll_with_entropy_bonus, temperature=TEMPERATURE)[0]["loss"]
                              for _ in range(args.bf16_steps)]
+    # Token-budget micro-batches: a step of fewer tokens runs fewer micro-batches than the steps before it, with
+    # gradients reduced in overlapped buckets (megatron issues each bucket's reduction in the last micro-batch).
+    fewer = batch.select(list(range(len(batch) // 2)))
+    budget = engine_config.max_token_len_per_rank
+    report["micro_batches"] = [len(budgeted_micro_batches(list(range(len(b))), b.sequence_lengths_B, budget))
+                               for b in (batch, fewer)]
+    report["fewer_micro_batches_loss"] = policy.train_mini_batch(fewer, nll_with_entropy_bonus,
+                                                                 temperature=TEMPERATURE)[0]["loss"]
 report["offload_bytes"] = policy.memory.offload()  # device bytes freed, per category
 report["param_count"] = sum(p.numel() for p in policy.module.parameters())
 report["grad_buckets"] = sum(len(buffer.buckets) for buffer in policy.model.buffers)
