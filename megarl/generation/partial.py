@@ -37,7 +37,8 @@ from megarl.config.schema import RunConfig
 from megarl.data.prompt_dataset import PromptDataset
 from megarl.data.sampler import ResumableSampler
 from megarl.distributed import collectives
-from megarl.generation.rollouts import Rollouts, rollout_sampling, score_generated, share_scores, unfilled_rollouts
+from megarl.generation.rollouts import (Rollouts, replica_blocks, rollout_sampling, score_generated, share_scores,
+                                        unfilled_rollouts)
 from megarl.rewards import RewardManager
 from megarl.rollout.base import RolloutEngine, RolloutOutput
 from megarl.seeding import derive_seed
@@ -167,9 +168,7 @@ class PartialRollouts:
         """One response per prompt, the prompts dealt to the engine replicas in contiguous blocks; every rank
         returns all of them."""
         rank, engine_tp = dist.get_rank(), self.config.rollout.tp
-        replicas = dist.get_world_size() // engine_tp
-        replica = rank // engine_tp
-        start, stop = replica * len(prompts) // replicas, (replica + 1) * len(prompts) // replicas
+        start, stop = replica_blocks(len(prompts), engine_tp)[rank // engine_tp]
         output = RolloutOutput()
         if stop > start:
             sampling = replace(rollout_sampling(self.config, self.tokenizer.eos_token_id, 0, validation=False), n=1,

@@ -181,14 +181,19 @@ def score_responses(rewards: RewardManager, prompts: list[Prompt], texts: list[s
 def unfilled_rollouts(prompts: list[Prompt], n: int, engine_tp: int) -> tuple[Rollouts, tuple[int, int]]:
     """The step's sequences before generation (no response held), and the block of prompts
     [start, stop) this rank's replica generates."""
-    num_replicas = dist.get_world_size() // engine_tp
-    blocks = [(k * len(prompts) // num_replicas, (k + 1) * len(prompts) // num_replicas) for k in range(num_replicas)]
+    blocks = replica_blocks(len(prompts), engine_tp)
     num_sequences = len(prompts) * n
     rollouts = Rollouts(prompts=[p for p in prompts for _ in range(n)],
                         group_ids=[i for i in range(len(prompts)) for _ in range(n)],
                         replicas=[k for k, (first, end) in enumerate(blocks) for _ in range((end - first) * n)],
                         response_ids=[None] * num_sequences, rollout_logprobs=[None] * num_sequences)
     return rollouts, blocks[dist.get_rank() // engine_tp]
+
+
+def replica_blocks(count: int, engine_tp: int) -> list[tuple[int, int]]:
+    """[start, stop) of each engine replica's contiguous block of `count` items, replica k the k-th."""
+    num_replicas = dist.get_world_size() // engine_tp
+    return [(k * count // num_replicas, (k + 1) * count // num_replicas) for k in range(num_replicas)]
 
 
 def share_scores(rollouts: Rollouts, output: RolloutOutput, result: RewardResult | None, first: int,
