@@ -2,7 +2,8 @@
 
     python bench/async_vs_sync.py                  # 2 processes: colocated, split 1+1 at staleness 0, 1, 2
     python bench/async_vs_sync.py --nproc 2 4      # also 4 processes: colocated, split 2+2 at 0, 1, 2
-    python bench/async_vs_sync.py --long-tail --seeds 3    # long responses: colocated, split at 2, partial rollouts
+    python bench/async_vs_sync.py --task long-tail --seeds 3   # long responses: colocated, split at 2, partial rollouts
+    python bench/async_vs_sync.py --task agent             # multi-turn with the calculator: colocated, split, partial
 
 The quick start's GRPO task (configs/quickstart.yaml: the tiny Qwen2 after its SFT warm start, made
 as `make quickstart` makes it when missing; "a+b=" prompts, 16 x 8 samples a step, <= 8 response
@@ -12,11 +13,17 @@ generating (`trainer.placement=split rollout.num_ranks=N/2`) at `trainer.max_sta
 Held-out greedy accuracy (the long-tailed task's: sampled at temperature 1) on the 500 test prompts
 before training, every --eval-every steps and at the end; evaluation is outside the timed steps.
 
---long-tail: the same task with responses of long-tailed length, as reasoning runs have (the quick start's
+--task long-tail: the same task with responses of long-tailed length, as reasoning runs have (the quick start's
 answers are all a few tokens long, which hides what asynchrony is for): the warm start learns to "think"
 (a run of dots) for a log-normal number of tokens before the sum (median 12, 10% over 64, 1% over 250, at
 most 400; `bench/common.py`), and responses may be 416 tokens long. Contenders: colocated synchronous,
 split at staleness 2, and split at staleness 2 with partial rollouts of --partial-tokens tokens a round.
+--task agent: the agent quick start (configs/agent_quickstart.yaml: "a*b" answered with the calculator tool, 8
+prompts x 8 trajectories of at most 3 model turns a step, the SFT warm start made as `make agent-quickstart`
+makes it when missing; accuracy on 100 held-out prompts), where a trajectory's tool calls run between its turns.
+Contenders: colocated synchronous, split at staleness 1 (whole trajectories) and split at staleness 2 with
+partial rollouts of --partial-tokens model tokens a round. Trained tokens count the environment's tokens in
+each trajectory too (they are in the sequence, out of the loss).
 --seeds N runs every contender with trainer.seed 0 .. N-1 and prints, per contender, the mean training
 seconds to the threshold and the final accuracy with their spread over the seeds.
 
@@ -143,7 +150,7 @@ def run_contender(contender: Contender, model: Path, args: argparse.Namespace) -
     directory.mkdir(parents=True, exist_ok=True)
     log = directory / f"{contender.experiment}.log"
     command = torchrun(contender.nproc) + [
-        "launchers/train_ppo.py", "--config", "configs/quickstart.yaml", f"model.path={model}",
+        "launchers/train_ppo.py", "--config", TASKS[args.task].config, f"model.path={model}",
         f"trainer.total_steps={args.steps}", f"trainer.test_freq={args.eval_every}",
         f"trainer.output_dir={directory}", f"trainer.experiment_name={contender.experiment}",
         *workload(args), *contender.overrides(), *args.override]
@@ -177,11 +184,29 @@ def read_result(contender: Contender, directory: Path, wall_seconds: float) -> R
         history["val/score/mean"], wall_seconds)
 
 
+@dataclass(frozen=True)
+class Task:
+    config: str
+    description: str
+    placements: tuple[tuple[int | None, bool], ...]
+    """(staleness, partial rollouts) of each contender; None: colocated synchronous."""
+
+
+TASKS = {
+    "quickstart": Task("configs/quickstart.yaml", "the quick start (16 prompts x 8 samples, <= 8 response tokens)",
+                       ((None, False), *((k, False) for k in STALENESS))),
+    "long-tail": Task("configs/quickstart.yaml", "the long-tailed task (16 prompts x 8 samples, thinking of "
+                      "log-normal length before the answer)", ((None, False), (2, False), (2, True))),
+    "agent": Task("configs/agent_quickstart.yaml", "the agent quick start (8 prompts x 8 trajectories, <= 3 model "
+                  "turns with the calculator, <= 160 response tokens)", ((None, False), (1, False), (2, True))),
+}
+
+
 def workload(args: argparse.Namespace) -> list[str]:
-    """The config overrides of the task: the quick start's (none), or its long-tailed variant's."""
+    """The config overrides of the task beyond its config file: the long-tailed variant's."""
     from common import LONG_TAIL, LONG_TAIL_RESPONSE_LENGTH
 
-    if not args.long_tail:
+    if args.task != "long-tail":
         return []
     # The KV cache holds every sequence of a step at full length, partial rollouts' groups in flight too.
     # Greedy decoding "thinks" forever (a dot is always the likeliest next token): validation samples.
@@ -194,16 +219,14 @@ def workload(args: argparse.Namespace) -> list[str]:
 
 def contenders(nproc: int, args: argparse.Namespace) -> list[Contender]:
     seeds = range(args.seeds) if args.seeds else [None]
-    if args.long_tail:
-        placements = [(None, 0), (2, 0), (2, args.partial_tokens)]
-    else:
-        placements = [(None, 0)] + [(k, 0) for k in STALENESS]
-    return [Contender(nproc, k, partial, seed) for seed in seeds for k, partial in placements]
+    return [Contender(nproc, k, args.partial_tokens if partial else 0, seed)
+            for seed in seeds for k, partial in TASKS[args.task].placements]
 
 
 def run_directory(nproc: int, args: argparse.Namespace) -> Path:
-    """Where one process count's runs go; the long-tailed task's and runs with overrides apart."""
-    return OUT / "_".join([*(["long_tail"] if args.long_tail else []), f"{nproc}proc", *args.override])
+    """Where one process count's runs go; other tasks' and runs with overrides apart."""
+    task = [] if args.task == "quickstart" else [args.task.replace("-", "_")]
+    return OUT / "_".join([*task, f"{nproc}proc", *args.override])
 
 
 def seed_summary(results: list[Result], threshold: float) -> list[str]:
@@ -229,12 +252,7 @@ def seed_summary(results: list[Result], threshold: float) -> list[str]:
 
 
 def report(results: list[Result], args: argparse.Namespace) -> None:
-    from common import LONG_TAIL_RESPONSE_LENGTH
-
-    task = (f"the long-tailed task (16 prompts x 8 samples, thinking of log-normal length, <= "
-            f"{LONG_TAIL_RESPONSE_LENGTH} response tokens)" if args.long_tail
-            else "the quick start (16 prompts x 8 samples, <= 8 response tokens)")
-    print(f"\nGRPO on {task}, {args.steps} steps, "
+    print(f"\nGRPO on {TASKS[args.task].description}, {args.steps} steps, "
           f"1 thread per process{', ' + ' '.join(args.override) if args.override else ''}")
     print(f"tokens/s: response tokens trained over the seconds of the timed steps (first {args.warmup_steps} left "
           "out); wait s / idle s / gen s: mean seconds per step of the trainer's wait for a batch, the rollout "
@@ -264,9 +282,9 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=25, help="held-out evaluation period, in steps")
     parser.add_argument("--warmup-steps", type=int, default=2, help="first steps left out of the per-step numbers")
     parser.add_argument("--threshold", type=float, default=0.5, help="held-out greedy accuracy")
-    parser.add_argument("--long-tail", action="store_true", help="the task with long-tailed response lengths")
+    parser.add_argument("--task", choices=TASKS, default="quickstart", help="the workload (module docstring)")
     parser.add_argument("--partial-tokens", type=int, default=32,
-                        help="--long-tail: tokens a round of partial rollouts")
+                        help="--task long-tail and agent: tokens a round of partial rollouts")
     parser.add_argument("--seeds", type=int, default=0, help="run every contender with trainer.seed 0 .. N-1 "
                         "(0: the config's seed, once)")
     parser.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE",
@@ -274,9 +292,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps <= args.warmup_steps:
         sys.exit(f"--steps {args.steps}: none left after --warmup-steps {args.warmup_steps}")
-    from common import ensure_quickstart_model
+    from common import ensure_agent_model, ensure_quickstart_model
 
-    model = ensure_quickstart_model(OUT, long_tail=args.long_tail)
+    model = (ensure_agent_model(OUT) if args.task == "agent"
+             else ensure_quickstart_model(OUT, long_tail=args.task == "long-tail"))
     cores = len(os.sched_getaffinity(0))
     results = []
     for nproc in args.nproc:

@@ -13,6 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_MODEL = ROOT / "outputs/bench/qwen2_30m"
 QUICKSTART = ROOT / "outputs/quickstart"
+AGENT = ROOT / "outputs/agent_quickstart"
 WORKER_ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
 
@@ -41,22 +42,36 @@ def ensure_quickstart_model(log_dir: Path, long_tail: bool = False) -> Path:
     `long_tail`: the same warm start on targets that "think" for a long-tailed number of tokens first
     (`megarl.data.synthetic.LongTail`), in outputs/bench/long_tail. The logs of making them go to `log_dir`."""
     out = LONG_TAIL if long_tail else QUICKSTART
-    model = out / "quickstart_sft/hf"
+    sft_overrides = ([f"data.train_files=[{out}/data/train.parquet]", f"data.max_response_length="
+                      f"{LONG_TAIL_RESPONSE_LENGTH}", f"trainer.output_dir={out}"] if long_tail else [])
+    task = "long-tailed task" if long_tail else "quick start"
+    return _ensure_sft_model(out / "quickstart_sft/hf", log_dir, task, (
+        ("make_model", [sys.executable, "checkpoints_tools/make_tiny_model.py", "--family", "qwen2",
+                        "--out", str(QUICKSTART / "base")]),
+        ("make_data", [sys.executable, "-m", "megarl.data.synthetic", "--task", "arithmetic", "--out-dir",
+                       str(out / "data"), "--num-train", "20000", "--num-test", "500", "--seed", "0",
+                       *(LONG_TAIL_THINKING if long_tail else [])]),
+        ("sft", torchrun(2) + ["launchers/train_sft.py", "--config", "configs/quickstart_sft.yaml", *sft_overrides])))
+
+
+def ensure_agent_model(log_dir: Path) -> Path:
+    """The agent quick start's SFT checkpoint (and its data), made as `make agent-quickstart` makes them when
+    missing."""
+    return _ensure_sft_model(AGENT / "agent_quickstart_sft/hf", log_dir, "agent quick start", (
+        ("make_model", [sys.executable, "checkpoints_tools/make_tiny_model.py", "--family", "qwen2",
+                        "--out", str(AGENT / "base")]),
+        ("make_data", [sys.executable, "-m", "megarl.data.synthetic", "--task", "multiplication", "--out-dir",
+                       str(AGENT / "data"), "--num-train", "4000", "--num-test", "200", "--seed", "0"]),
+        ("sft", torchrun(2) + ["launchers/train_sft.py", "--config", "configs/agent_quickstart_sft.yaml"])))
+
+
+def _ensure_sft_model(model: Path, log_dir: Path, task: str, steps: tuple[tuple[str, list[str]], ...]) -> Path:
+    """`model`, made by running `steps` (name, command) when missing; each step's log goes to `log_dir`."""
     if (model / "config.json").is_file():
         return model
     log_dir.mkdir(parents=True, exist_ok=True)
-    print(f"making {'the long-tailed task' if long_tail else 'the quick start'}'s SFT checkpoint (as `make "
-          "quickstart` does) ...", flush=True)
-    sft_overrides = ([f"data.train_files=[{out}/data/train.parquet]", f"data.max_response_length="
-                      f"{LONG_TAIL_RESPONSE_LENGTH}", f"trainer.output_dir={out}"] if long_tail else [])
-    for name, command in (
-            ("make_model", [sys.executable, "checkpoints_tools/make_tiny_model.py", "--family", "qwen2",
-                            "--out", str(QUICKSTART / "base")]),
-            ("make_data", [sys.executable, "-m", "megarl.data.synthetic", "--task", "arithmetic", "--out-dir",
-                           str(out / "data"), "--num-train", "20000", "--num-test", "500", "--seed", "0",
-                           *(LONG_TAIL_THINKING if long_tail else [])]),
-            ("sft", torchrun(2) + ["launchers/train_sft.py", "--config", "configs/quickstart_sft.yaml",
-                                   *sft_overrides])):
+    print(f"making the {task}'s SFT checkpoint (as its make target does) ...", flush=True)
+    for name, command in steps:
         output = subprocess.run(command, cwd=ROOT, env=WORKER_ENV, capture_output=True, text=True)
         (log_dir / f"{name}.log").write_text(output.stdout + output.stderr)
         if output.returncode != 0:

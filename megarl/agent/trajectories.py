@@ -47,17 +47,10 @@ class TurnLimits:
         return min(left, self.max_tokens_per_turn) if self.max_tokens_per_turn else left
 
 
-@dataclass
-class Trajectory:
-    index: int
-    """Position in the step: the seed offset of its requests."""
-    prompt_ids: list[int]
-    """The opening: the environment's first messages, rendered with its tools and the assistant header."""
-    response_ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    done: bool = False
-    # Known on the leader only:
+@dataclass(kw_only=True)
+class Conversation:
+    """What the leader knows of a trajectory: its conversation so far and how it went."""
+
     messages: list[dict] = field(default_factory=list)
     """The conversation: opening messages, then each assistant turn and each observation's messages."""
     num_turns: int = 0
@@ -74,6 +67,20 @@ class Trajectory:
     def final_text(self) -> str:
         """The last assistant turn: what the reward function scores."""
         return next((m["content"] for m in reversed(self.messages) if m["role"] == "assistant"), "")
+
+
+@dataclass
+class Trajectory(Conversation):
+    """A trajectory of the step; its `Conversation` is known on the leader only."""
+
+    index: int
+    """Position in the step: the seed offset of its requests."""
+    prompt_ids: list[int]
+    """The opening: the environment's first messages, rendered with its tools and the assistant header."""
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    done: bool = False
 
 
 def run_turns(trajectories: list[Trajectory], engine: RolloutEngine, sampling: Sampling, limits: TurnLimits,
@@ -99,8 +106,8 @@ def run_turns(trajectories: list[Trajectory], engine: RolloutEngine, sampling: S
             if seats is not None:
                 last_turn = turn == limits.max_turns - 1
                 observations = list(pool.map(
-                    lambda k, ids, reason: _observe(trajectories[k], ids, reason, *seats[k], last_turn,
-                                                    limits.max_response_length),
+                    lambda k, ids, reason: observe(trajectories[k], len(trajectories[k].response_ids), ids, reason,
+                                                   *seats[k], last_turn, limits.max_response_length),
                     active, output.response_ids, output.finish_reasons))
             for t, observation in zip(requests, share(observations)):
                 if observation is None:
@@ -113,13 +120,15 @@ def run_turns(trajectories: list[Trajectory], engine: RolloutEngine, sampling: S
         t.done = True
 
 
-def _observe(trajectory: Trajectory, turn_ids: list[int], finish_reason: str, environment: Environment,
-             renderer: ChatRenderer, last_turn: bool, max_response_length: int) -> list[int] | None:
-    """On the leader: the environment's answer to a model turn as tokens; None when the trajectory ends."""
+def observe(trajectory: Conversation, num_response_tokens: int, turn_ids: list[int], finish_reason: str,
+            environment: Environment, renderer: ChatRenderer, last_turn: bool,
+            max_response_length: int) -> list[int] | None:
+    """On the leader: the environment's answer to a model turn (`turn_ids`, the last of the trajectory's
+    `num_response_tokens`) as tokens; None when the trajectory ends."""
     text = renderer.decode(turn_ids)
     trajectory.messages.append({"role": "assistant", "content": text})
     trajectory.num_turns += 1
-    if finish_reason == "length" and len(trajectory.response_ids) >= max_response_length:  # budget spent mid-turn
+    if finish_reason == "length" and num_response_tokens >= max_response_length:  # budget spent mid-turn
         trajectory.truncated = True
         return None
     if last_turn:
@@ -131,7 +140,7 @@ def _observe(trajectory: Trajectory, turn_ids: list[int], finish_reason: str, en
         trajectory.ended_by, trajectory.reward = type(environment).__name__, observation.reward
         return None
     ids = renderer.observation(observation.messages, turn_ids)
-    if len(trajectory.response_ids) + len(ids) >= max_response_length:  # no room left for the model
+    if num_response_tokens + len(ids) >= max_response_length:  # no room left for the model
         trajectory.truncated = True
         return None
     trajectory.messages += observation.messages

@@ -159,7 +159,6 @@ def _check_placement(config: RunConfig) -> None:
                           ">= 1: a response continued on newer weights is older than the step before; allowed: 0 "
                           "(whole responses) at trainer.max_staleness=0")
     unsupported = (
-        ("rollout.multi_turn.enable", rollout.multi_turn.enable),
         ("algorithm.filter_groups", config.algorithm.filter_groups),
         ("trainer.async_save", trainer.async_save),
         ("actor.router_replay", config.actor.router_replay),

@@ -477,8 +477,10 @@ class RolloutConfig:
     trainer trains; a response left unfinished continues in a later round on whatever weights the engine
     then holds, so the slowest response no longer sets the step. Every token keeps the policy version that
     sampled it and its log-prob under that version; a group whose oldest token is more than
-    trainer.max_staleness versions behind is generated anew (`megarl.generation.partial`). 0: every batch is
-    generated whole, at once."""
+    trainer.max_staleness versions behind is generated anew (`megarl.generation.partial`). With
+    rollout.multi_turn: at most this many more model tokens of every unfinished trajectory's current turn; the
+    environment answers each turn that ends (`megarl.generation.partial_turns`). 0: every batch is generated
+    whole, at once."""
 
     partial_groups: int = 0
     """Partial rollouts: prompt groups (a prompt's `n` responses) in flight at once; more keeps the engine's

@@ -5,7 +5,7 @@
   With `thinking` (`LongTail`), each row's warm-start target (extra_info["answer"]) is a run of dots
   of log-normal length, then the sum: a model warm-started on it answers after "thinking" for a
   long-tailed number of tokens, as reasoning models do (the workload where asynchronous RL pays;
-  `bench/async_vs_sync.py --long-tail`). The reward still reads the first integer.
+  `bench/async_vs_sync.py --task long-tail`). The reward still reads the first integer.
 - countdown: reach a target from 3-4 numbers in [1, 50] with + - * / and parentheses, using each
   number at most once (data_source "countdown"). The target is built by folding the numbers with
   random operations, so it is always reachable; the folding expression is kept in

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from megarl.agent.environment import Environment, load_environment
 from megarl.agent.rendering import ChatRenderer
-from megarl.agent.trajectories import Trajectory, TurnLimits, run_turns
+from megarl.agent.trajectories import Conversation, Trajectory, TurnLimits, run_turns
 from megarl.config.schema import RolloutConfig
 from megarl.data.dataset import Prompt
 from megarl.distributed import collectives
@@ -42,8 +42,8 @@ class MultiTurnRollouts:
                  max_prompt_length: int, reward_source: str):
         self.environment_for, self.tokenizer, self.engine_tp = environment_for, tokenizer, engine_tp
         self.limits, self.max_prompt_length, self.reward_source = limits, max_prompt_length, reward_source
-        self.end_of_turn_id = ChatRenderer(tokenizer, []).end_of_turn_id
-        self.renderers: dict[str, ChatRenderer] = {}
+        self.renderers = ChatRenderers(tokenizer)
+        self.end_of_turn_id = self.renderers.end_of_turn_id
         rank, self.replica_group = dist.get_rank(), None
         self.leader = rank - rank % engine_tp
         if engine_tp > 1:  # new_group is collective: every rank creates every replica's group
@@ -59,12 +59,6 @@ class MultiTurnRollouts:
         turns = rollout.multi_turn
         limits = TurnLimits(turns.max_turns, max_response_length, turns.max_tokens_per_turn)
         return cls(load_environment(rollout), tokenizer, rollout.tp, limits, max_prompt_length, turns.reward)
-
-    def _renderer(self, tools: list[dict]) -> ChatRenderer:
-        key = json.dumps(tools, sort_keys=True)
-        if key not in self.renderers:
-            self.renderers[key] = ChatRenderer(self.tokenizer, tools)
-        return self.renderers[key]
 
     def _share(self, observations: list | None) -> list:
         """The leader's observations on every rank of the replica."""
@@ -85,13 +79,10 @@ class MultiTurnRollouts:
         if is_leader:
             seats = []
             for i in mine:
-                prompt, environment = rollouts.prompts[i], self.environment_for(rollouts.prompts[i])
-                messages, renderer = environment.reset(prompt), self._renderer(environment.tools)
+                environment, renderer, messages, opening = open_trajectory(
+                    self.environment_for, self.renderers, rollouts.prompts[i], self.max_prompt_length)
                 seats.append((environment, renderer))
-                openings[i] = (renderer.opening(messages) if messages else prompt.prompt_ids, messages)
-                if len(openings[i][0]) > self.max_prompt_length:
-                    raise ValueError(f"the environment's opening of prompt {prompt.index} has {len(openings[i][0])} "
-                                     f"tokens, over data.max_prompt_length={self.max_prompt_length}")
+                openings[i] = (opening, messages)
         everyone = collectives.all_gather_object({i: ids for i, (ids, _) in openings.items()})
         opening_ids = {i: ids for part in everyone for i, ids in part.items()}
         rollouts.prompts = [replace(p, prompt_ids=opening_ids[i]) for i, p in enumerate(rollouts.prompts)]
@@ -107,10 +98,9 @@ class MultiTurnRollouts:
             rollouts.loss_masks[t.index] = t.loss_mask
         result, stats = None, {key: [] for key in TRAJECTORY_STATS}
         if is_leader and trajectories:
-            result = final_rewards(trajectories, rollouts.prompts, rewards, self.reward_source)
-            stats = {"turns": [t.num_turns for t in trajectories],
-                     "tool_calls": [t.num_tool_calls for t in trajectories],
-                     "tool_errors": [t.num_tool_errors for t in trajectories]}
+            result = final_rewards(trajectories, [rollouts.prompts[t.index] for t in trajectories], rewards,
+                                   self.reward_source)
+            stats = trajectory_stats(trajectories)
             for t in trajectories:
                 rollouts.messages[t.index] = t.messages
         output = RolloutOutput(response_ids=[t.response_ids for t in trajectories],
@@ -119,19 +109,53 @@ class MultiTurnRollouts:
         return rollouts
 
 
-def final_rewards(trajectories: list[Trajectory], prompts: list[Prompt], rewards: RewardManager,
+class ChatRenderers:
+    """A `ChatRenderer` for each set of tools the environments use, made once."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.renderers: dict[str, ChatRenderer] = {}
+        self.end_of_turn_id = ChatRenderer(tokenizer, []).end_of_turn_id
+
+    def __call__(self, tools: list[dict]) -> ChatRenderer:
+        key = json.dumps(tools, sort_keys=True)
+        if key not in self.renderers:
+            self.renderers[key] = ChatRenderer(self.tokenizer, tools)
+        return self.renderers[key]
+
+
+def open_trajectory(environment_for: Callable[[Prompt], Environment], renderers: ChatRenderers, prompt: Prompt,
+                    max_prompt_length: int) -> tuple[Environment, ChatRenderer, list[dict], list[int]]:
+    """A new trajectory of `prompt`: its environment, reset; the renderer of its tools; its opening messages and
+    their tokens (the sample's own prompt when the environment opens with none)."""
+    environment = environment_for(prompt)
+    messages, renderer = environment.reset(prompt), renderers(environment.tools)
+    opening = renderer.opening(messages) if messages else prompt.prompt_ids
+    if len(opening) > max_prompt_length:
+        raise ValueError(f"the environment's opening of prompt {prompt.index} has {len(opening)} tokens, over "
+                         f"data.max_prompt_length={max_prompt_length}")
+    return environment, renderer, messages, opening
+
+
+def trajectory_stats(conversations: list[Conversation]) -> dict[str, list[int]]:
+    """Per trajectory: its model turns, tool calls and tool errors (TRAJECTORY_STATS)."""
+    return {"turns": [c.num_turns for c in conversations], "tool_calls": [c.num_tool_calls for c in conversations],
+            "tool_errors": [c.num_tool_errors for c in conversations]}
+
+
+def final_rewards(trajectories: list[Conversation], prompts: list[Prompt], rewards: RewardManager,
                   source: str) -> RewardResult:
-    """Each trajectory's reward from `source` (rollout.multi_turn.reward): "environment", the reward its
-    environment gave when it ended it (0 for one cut by max_turns or the token budget, which no
-    environment judged); "function", the reward function's score of its last assistant turn; "sum", both
-    added. RewardFunctionError (the launcher's one line) when an environment ended a trajectory without the
-    reward `source` takes from it."""
+    """Each trajectory's reward (`prompts`: theirs, in order) from `source` (rollout.multi_turn.reward):
+    "environment", the reward its environment gave when it ended it (0 for one cut by max_turns or the token
+    budget, which no environment judged); "function", the reward function's score of its last assistant turn;
+    "sum", both added. RewardFunctionError (the launcher's one line) when an environment ended a trajectory
+    without the reward `source` takes from it."""
     if source == "function":
         return _function_scores(trajectories, prompts, rewards)
     given = [(t.reward if t.ended_by else 0.0) for t in trajectories]
-    missing = next((t for t, reward in zip(trajectories, given) if reward is None), None)
+    missing = next((i for i, reward in enumerate(given) if reward is None), None)
     if missing is not None:
-        prompt = prompts[missing.index]
+        prompt, missing = prompts[missing], trajectories[missing]
         raise RewardFunctionError(
             f"rollout.multi_turn.reward={source!r} takes the environment's reward, but environment {missing.ended_by} "
             f"ended the trajectory of prompt {prompt.index} (data_source {prompt.data_source!r}) at turn "
@@ -143,5 +167,5 @@ def final_rewards(trajectories: list[Trajectory], prompts: list[Prompt], rewards
     return replace(result, scores=[reward + score for reward, score in zip(given, result.scores)])
 
 
-def _function_scores(trajectories: list[Trajectory], prompts: list[Prompt], rewards: RewardManager) -> RewardResult:
-    return score_responses(rewards, [prompts[t.index] for t in trajectories], [t.final_text for t in trajectories])
+def _function_scores(trajectories: list[Conversation], prompts: list[Prompt], rewards: RewardManager) -> RewardResult:
+    return score_responses(rewards, prompts, [t.final_text for t in trajectories])

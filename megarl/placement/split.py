@@ -29,6 +29,9 @@ place of generating ahead); a response left unfinished continues after the next 
 The bound on staleness counts each response's oldest token, every token carries its version, and the
 checkpoint holds the responses in flight and the rollout ranks' sampler (the trainer's goes unused).
 
+Multi-turn rollouts (`rollout.multi_turn`) run on the rollout ranks, whole or partial; a batch carries each
+trajectory's opening (its prompt), loss mask and counts.
+
 Batches travel whole from the first rollout rank to every rank (one broadcast; the trainer ranks
 then keep their DP share): O(batch) bytes per trainer rank, not O(share).
 """
@@ -60,6 +63,7 @@ from megarl.placement.base import Placement, StepRollouts, sync_metrics
 from megarl.resharding.cross_group import CrossGroupSync
 from megarl.resharding.executor import SyncStats
 from megarl.rewards import RewardFunctionError
+from megarl.rollout.base import RolloutEngine
 from megarl.tracking.timing import PhaseTimer
 
 logger = logging.getLogger(__name__)
@@ -135,24 +139,25 @@ class SplitPlacement(Placement):
 
 
 class RolloutWorker:
-    """The rollout ranks' program: engines, prompts, rewards and the queue of generated batches."""
+    """The rollout ranks' program: engines, prompts, rewards and the batches they make (`QueuedBatches` or,
+    with partial rollouts, `PartialBatches`)."""
 
     def __init__(self, config: RunConfig, world: SplitWorld):
         self.config, self.world = config, world
         inputs = RunInputs.open(config)
-        self.sampler, self.train_data, self.val_data = inputs.sampler, inputs.train_data, inputs.val_data
+        self.val_data = inputs.val_data
         rollout = config.rollout
         self.engine = start_rollout_engine(EngineSettings.of_run(config), dummy_weights=True)
         self.sync = CrossGroupSync(world, rollout.tp, rollout.bucket_mib << 20, engine=self.engine)
         rewards = training_rewards(config, inputs.rewards)
         self.collector = RolloutCollector(config, inputs.tokenizer, rewards, inputs.rewards)
-        self.partial = (PartialRollouts(config, inputs.tokenizer, rewards, self.train_data, self.sampler, self.engine)
-                        if rollout.partial_tokens else None)
+        self.batches = (PartialBatches(PartialRollouts(config, inputs.tokenizer, rewards, inputs.train_data,
+                                                       inputs.sampler, self.engine))
+                        if rollout.partial_tokens else
+                        QueuedBatches(config, self.collector, self.engine, inputs, world.num_rollout_ranks))
         self.engine_version: int | None = None
         self.last_sync: SyncStats | None = None
         """The latest sync's statistics, sent with the next batch."""
-        self.queue: collections.deque[dict] = collections.deque()
-        """Whole batches generated ahead, B_(s+1) first while the trainer trains on B_s."""
         self.idle_seconds = self.generate_seconds = 0.0
         """Since the last batch sent."""
 
@@ -160,49 +165,29 @@ class RolloutWorker:
         """The rollout ranks' mirror of `RLTrainer.fit` (module docstring)."""
         trainer = self.config.trainer
         start, sampler_state, saved = self.world.broadcast_object(None, root=0)
-        self.sampler.load_state_dict(sampler_state)
-        for payload in saved.get("rollout_queue", []):
-            self.sampler.next_batch()
-            self.queue.append(payload)
-        if self.partial is not None and "rollout_partial" in saved:
-            self.partial.load_state_dict(saved["rollout_partial"])
+        self.batches.load_state_dict(sampler_state, saved)
         if self.val_data is not None and trainer.val_before_train and start == 1:
             self._validate(0)
         freeze_start_up_objects()
         for step in range(start, trainer.total_steps + 1):
             self._sync_to(step - 1)
-            self._send(self._batch(step))
+            with self._generating():
+                batch = self.batches.take(step, version=step - 1)
+            self._send(self._stamped(batch))
             if step < trainer.total_steps:
-                self._generate_ahead(step)
+                with self._generating():
+                    self.batches.ahead(step, version=step - 1)
             if self.val_data is not None and (step == trainer.total_steps or
                                               (trainer.test_freq and step % trainer.test_freq == 0)):
                 self._validate(step)
             if trainer.save_freq and (step % trainer.save_freq == 0 or step == trainer.total_steps):
-                self._send({"rollout_queue": list(self.queue),
-                            **({"rollout_partial": self.partial.state_dict()} if self.partial is not None else {})})
+                self._send(self.batches.state_dict())
         self.engine.shutdown()
 
-    def _batch(self, step: int) -> dict:
-        """B_step's payload: queued, or made now with the weights of step - 1."""
-        if self.partial is not None:
-            start = time.perf_counter()
-            rollouts, indices, metrics = self.partial.take(step, version=step - 1)
-            self.generate_seconds += time.perf_counter() - start
-            return self._payload(rollouts, step, indices, metrics)
-        if not self.queue:
-            self.queue.append(self._generate(step, version=step - 1))
-        return self.queue.popleft()
-
-    def _generate_ahead(self, step: int) -> None:
-        """While the trainer trains on B_step, with the weights of step - 1: the next whole batches, up to
-        `trainer.max_staleness` of them, or the rounds of partial rollouts that finish B_(step+1)."""
+    @contextlib.contextmanager
+    def _generating(self):
         start = time.perf_counter()
-        if self.partial is not None:
-            self.partial.fill(step + 1, version=step - 1)
-        else:
-            last = min(step + self.config.trainer.max_staleness, self.config.trainer.total_steps)
-            while step + 1 + len(self.queue) <= last:
-                self.queue.append(self._generate(step + 1 + len(self.queue), version=step - 1))
+        yield
         self.generate_seconds += time.perf_counter() - start
 
     def _sync_to(self, version: int) -> None:
@@ -217,23 +202,10 @@ class RolloutWorker:
         self.world.broadcast_object(value, root=self.world.first_rollout_rank)
         self.idle_seconds += time.perf_counter() - start
 
-    def _generate(self, step: int, version: int) -> dict:
-        """B_step, generated whole with the engine's weights (`version`)."""
-        indices = self.sampler.next_batch()
-        prompts = [self.train_data[i] for i in indices]
-        start = time.perf_counter()
-        rollouts = self.collector.collect(prompts, self.engine, self.collector.sampling(step, validation=False))
-        move_responses(rollouts, [list(range(len(rollouts)))] + [[]] * (self.world.num_rollout_ranks - 1),
-                       self.config.rollout.tp)
-        rollouts.token_versions = [[version] * length for length in rollouts.response_lengths]
-        self.generate_seconds += time.perf_counter() - start
-        return self._payload(rollouts, step, indices, {})
-
-    def _payload(self, rollouts: Rollouts, step: int, indices: list[int], metrics: dict[str, float]) -> dict:
-        """The batch as sent, with how it was made since the previous one."""
-        payload = batch_payload(rollouts, step, indices)
-        payload.update(generate_seconds=self.generate_seconds, idle_seconds=self.idle_seconds, metrics=metrics,
-                       sync=dataclasses.asdict(self.last_sync) if self.last_sync is not None else None)
+    def _stamped(self, payload: dict) -> dict:
+        """The batch as sent, with how the rollout ranks spent the time since the previous one."""
+        payload = {**payload, "generate_seconds": self.generate_seconds, "idle_seconds": self.idle_seconds,
+                   "sync": dataclasses.asdict(self.last_sync) if self.last_sync is not None else None}
         self.idle_seconds = self.generate_seconds = 0.0
         self.last_sync = None
         return payload
@@ -244,29 +216,104 @@ class RolloutWorker:
         self._send(validation_metrics(rollouts, self.config.rollout.val_n))
 
 
-def batch_payload(rollouts: Rollouts, step: int, indices: list[int]) -> dict:
+class QueuedBatches:
+    """Whole batches: B_step is generated when taken unless it was generated ahead; while the trainer trains
+    on B_step, the next ones are, up to `trainer.max_staleness` of them. The queue is saved with every
+    checkpoint (its batches cannot be regenerated: the weights that made them are gone)."""
+
+    def __init__(self, config: RunConfig, collector: RolloutCollector, engine: RolloutEngine, inputs: RunInputs,
+                 num_rollout_ranks: int):
+        self.config, self.collector, self.engine, self.num_rollout_ranks = config, collector, engine, num_rollout_ranks
+        self.sampler, self.train_data = inputs.sampler, inputs.train_data
+        self.queue: collections.deque[dict] = collections.deque()
+        """Payloads of the batches generated ahead, B_(s+1) first while the trainer trains on B_s."""
+
+    def take(self, step: int, version: int) -> dict:
+        if not self.queue:
+            self.queue.append(self._generate(step, version))
+        return self.queue.popleft()
+
+    def ahead(self, step: int, version: int) -> None:
+        last = min(step + self.config.trainer.max_staleness, self.config.trainer.total_steps)
+        while step + 1 + len(self.queue) <= last:
+            self.queue.append(self._generate(step + 1 + len(self.queue), version))
+
+    def state_dict(self) -> dict:
+        return {"rollout_queue": list(self.queue)}
+
+    def load_state_dict(self, sampler_state: dict, saved: dict) -> None:
+        """The trainer's sampler, advanced past the queue the checkpoint holds."""
+        self.sampler.load_state_dict(sampler_state)
+        for payload in saved.get("rollout_queue", []):
+            self.sampler.next_batch()
+            self.queue.append(payload)
+
+    def _generate(self, step: int, version: int) -> dict:
+        """B_step, generated whole with the engine's weights (`version`)."""
+        indices = self.sampler.next_batch()
+        prompts = [self.train_data[i] for i in indices]
+        rollouts = self.collector.collect(prompts, self.engine, self.collector.sampling(step, validation=False))
+        move_responses(rollouts, [list(range(len(rollouts)))] + [[]] * (self.num_rollout_ranks - 1),
+                       self.config.rollout.tp)
+        rollouts.token_versions = [[version] * length for length in rollouts.response_lengths]
+        return batch_payload(rollouts, step, indices, {})
+
+
+class PartialBatches:
+    """Partial rollouts (`megarl.generation.partial`): B_step is the first groups to finish; while the trainer
+    trains on it, the rounds that finish B_(step+1) run. The checkpoint holds the responses in flight and the
+    rollout ranks' sampler (the trainer's goes unused)."""
+
+    def __init__(self, partial: PartialRollouts):
+        self.partial = partial
+
+    def take(self, step: int, version: int) -> dict:
+        rollouts, indices, metrics = self.partial.take(step, version)
+        return batch_payload(rollouts, step, indices, metrics)
+
+    def ahead(self, step: int, version: int) -> None:
+        self.partial.fill(step + 1, version)
+
+    def state_dict(self) -> dict:
+        return {"rollout_partial": self.partial.state_dict()}
+
+    def load_state_dict(self, sampler_state: dict, saved: dict) -> None:
+        if "rollout_partial" in saved:
+            self.partial.load_state_dict(saved["rollout_partial"])
+        else:
+            self.partial.sampler.load_state_dict(sampler_state)
+
+
+def batch_payload(rollouts: Rollouts, step: int, indices: list[int], metrics: dict[str, float]) -> dict:
     """A generated batch as plain values (JSON-safe, for checkpoints); responses as the first rollout
-    rank holds them. `error`: why no reward call succeeded, if none did."""
+    rank holds them; `metrics` of its making. `error`: why no reward call succeeded, if none did."""
     failed = len(rollouts) and rollouts.num_reward_errors + rollouts.num_reward_timeouts == len(rollouts)
     error = None
     if failed:
         error = (f"all {len(rollouts)} reward calls failed ({rollouts.num_reward_errors} errors, "
                  f"{rollouts.num_reward_timeouts} timeouts); first: {rollouts.first_reward_failure}")
+    multi_turn = bool(rollouts.loss_masks)
     return {"step": step, "indices": indices, "response_ids": rollouts.response_ids,
             "logprobs": rollouts.rollout_logprobs, "token_versions": rollouts.token_versions,
             "finish_reasons": rollouts.finish_reasons, "scores": rollouts.scores, "score_extras": rollouts.score_extras,
             "num_reward_errors": rollouts.num_reward_errors, "num_reward_timeouts": rollouts.num_reward_timeouts,
-            "first_reward_failure": rollouts.first_reward_failure, "error": error}
+            "first_reward_failure": rollouts.first_reward_failure, "error": error, "metrics": metrics,
+            "openings": [p.prompt_ids for p in rollouts.prompts] if multi_turn else None,
+            "loss_masks": rollouts.loss_masks, "trajectory_stats": rollouts.trajectory_stats}
 
 
 def rollouts_from_payload(payload: dict, dataset: PromptDataset, n: int) -> Rollouts:
-    """The trainer's `Rollouts` of a received batch: every response held on every rank."""
-    prompts = [dataset[i] for i in payload["indices"]]
-    num_sequences = len(prompts) * n
+    """The trainer's `Rollouts` of a received batch: every response held on every rank. A multi-turn
+    sequence's prompt is its trajectory's opening (its environment's first messages)."""
+    prompts = [p for i in payload["indices"] for p in [dataset[i]] * n]
+    if payload["openings"] is not None:
+        prompts = [dataclasses.replace(p, prompt_ids=ids) for p, ids in zip(prompts, payload["openings"])]
+    num_sequences = len(prompts)
     return Rollouts(
-        prompts=[p for p in prompts for _ in range(n)], group_ids=[i for i in range(len(prompts)) for _ in range(n)],
+        prompts=prompts, group_ids=[i // n for i in range(num_sequences)],
         replicas=[0] * num_sequences, response_lengths=[len(ids) for ids in payload["response_ids"]],
         response_ids=payload["response_ids"], rollout_logprobs=payload["logprobs"],
         finish_reasons=payload["finish_reasons"], scores=payload["scores"], score_extras=payload["score_extras"],
         num_reward_errors=payload["num_reward_errors"], num_reward_timeouts=payload["num_reward_timeouts"],
-        first_reward_failure=payload["first_reward_failure"], token_versions=payload["token_versions"])
+        first_reward_failure=payload["first_reward_failure"], token_versions=payload["token_versions"],
+        loss_masks=payload["loss_masks"], trajectory_stats=payload["trajectory_stats"])

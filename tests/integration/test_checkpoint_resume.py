@@ -16,8 +16,9 @@ rollout rank generated ahead: killed twice while that batch is queued, the resum
 step on exactly the uninterrupted run's prompts, none lost or repeated, and no sample it trains on is
 more than one policy version old. It trains in bf16, whose fp32 norm weights (megatron's torch norm)
 beside bf16 parameters once made the distributed optimizer save each one's Adam state under another's name.
-With partial rollouts (vLLM engine, staleness 2) the checkpoints resumed hold responses half generated, which
-the resumed job finishes on the next weights exactly as the uninterrupted run did.
+With partial rollouts of multi-turn trajectories (vLLM engine, staleness 2) the checkpoints resumed hold
+trajectories half generated, whose environments the resumed job replays and which it finishes on the next
+weights exactly as the uninterrupted run did.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from megarl.data.synthetic import make_arithmetic
 from tests.conftest import ROOT
+from tests.integration import user_environment
 from tests.integration.job_launch import Launch
 
 TOTAL_STEPS = 4
@@ -62,11 +64,13 @@ JOBS = {
                       ("trainer.placement=split", "rollout.num_ranks=1", "trainer.max_staleness=1",
                        "rollout.backend=hf", "model.dtype=bfloat16"), ("actor",),
                       async_save=False),
-    # Partial rollouts: responses of varied lengths (most would run to 8 tokens on the other models) continue,
+    # Partial rollouts of multi-turn trajectories (1 to 3 turns of at most 8 tokens: the environment ends one after
+    # a turn of odd length; turns of varied lengths: most would run to 8 tokens on the other models) continue,
     # 3 tokens a round, across weight updates.
     "grpo_split_partial": Job("configs/quickstart.yaml", "quickstart_grpo",
                               ("trainer.placement=split", "rollout.num_ranks=1", "trainer.max_staleness=2",
-                               "rollout.partial_tokens=3", "rollout.partial_groups=6", "rollout.n=2"), ("actor",),
+                               "rollout.partial_tokens=3", "rollout.partial_groups=6", "rollout.n=2",
+                               *user_environment.overrides("AnswerSomeTurns")), ("actor",),
                               async_save=False, model="qwen2-varied-lengths"),
     "grpo_lora_ep2": Job("configs/quickstart.yaml", "quickstart_grpo",
                          ("actor.ep=2", "actor.lora.rank=4", "actor.lora.alpha=8"), ("actor",), async_save=False,
@@ -225,10 +229,11 @@ def test_a_job_killed_twice_resumes_bitwise(models, arithmetic, tmp_path, uninte
         loaded = _latest_step(tmp_path, job)
         assert 0 < loaded < TOTAL_STEPS, f"nothing to resume from, or nothing left to train ({loaded})"
         trained |= {step: batch for step, batch in launch.trained_batches().items() if step <= loaded}
-        if name == "grpo_split_partial":  # the checkpoint resumed holds responses half generated
+        if name == "grpo_split_partial":  # the checkpoint resumed holds trajectories half generated
             state = json.loads((checkpoints / f"global_step_{loaded}/trainer_state.json").read_text())
             in_flight = [r for group in state["placement"]["rollout_partial"]["in_flight"] for r in group["responses"]]
             assert any(r["ids"] and r["finish_reason"] is None for r in in_flight), in_flight
+            assert any(r["turn"]["num_turns"] and r["finish_reason"] is None for r in in_flight)  # to replay
         launch = Launch(tmp_path, args)
     launch.finish()
     _assert_resumed(launch, loaded, finished=True)
@@ -238,8 +243,9 @@ def test_a_job_killed_twice_resumes_bitwise(models, arithmetic, tmp_path, uninte
         assert trained == uninterrupted[name][2]
     if name == "grpo_split":
         assert [version for _, version in trained.values()] == [0, 0, 1, 2]  # staleness 0, then 1: the bound
-    if name == "grpo_split_partial":  # some responses were continued on newer weights
+    if name == "grpo_split_partial":  # some trajectories were continued on newer weights, over several turns
         assert max(uninterrupted[name][1]["rollout/multi_version_responses"].values()) > 0
+        assert max(uninterrupted[name][1]["agent/turns"].values()) > 1
     for engine in job.engines:
         assert _adam_steps(tmp_path, job, engine) == {float(TOTAL_STEPS * TRAIN_BATCH_SIZE // MINI_BATCH_SIZE)}
 

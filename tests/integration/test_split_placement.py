@@ -1,8 +1,8 @@
-"""Split placement at staleness 0 is the colocated run, moved: the real launcher for 3 GRPO steps with
-1 trainer + 1 rollout rank (`hf` engine) and with a TP2 trainer + 2 rollout ranks (one vLLM engine
-at TP2), each against the colocated run of the same trainer layout and engine. Every prompt samples
-with its own seed and the engine holds the trainer's weights of the previous step, so the responses
-and rewards are the colocated run's exactly, and the losses agree (same kernels, same bytes). Every
+"""Split placement at staleness 0 is the colocated run, moved: the real launcher for 3 GRPO steps with 1 trainer
++ 1 rollout rank (`hf` engine, multi-turn trajectories with an environment) and with a TP2 trainer + 2 rollout
+ranks (one vLLM engine at TP2), each against the colocated run of the same trainer layout and engine. Every
+prompt samples with its own seed and the engine holds the trainer's weights of the previous step, so the
+responses and rewards are the colocated run's exactly, and the losses agree (same kernels, same bytes). Every
 sync moves what the engines need and no more. (Staleness 1 and exact resume: test_checkpoint_resume.py.)
 """
 
@@ -13,10 +13,12 @@ import pytest
 
 from megarl.data.synthetic import make_arithmetic
 from tests.conftest import ROOT, assert_succeeded, torchrun
+from tests.integration import user_environment
 
 STEPS = 3
 CASES = {  # name: (processes, overrides shared by both runs, split placement's own)
-    "1+1-hf": (1, ["rollout.backend=hf"], ["rollout.num_ranks=1"]),
+    # Trajectories of three turns, the environment answering the first two.
+    "1+1-hf-multi-turn": (1, ["rollout.backend=hf", *user_environment.overrides()], ["rollout.num_ranks=1"]),
     "tp2+2-vllm-tp2": (2, ["actor.tp=2", "rollout.tp=2"], ["rollout.num_ranks=2"]),
 }
 
@@ -52,4 +54,7 @@ def test_split_at_staleness_0_is_the_colocated_run(tiny_models, arithmetic, tmp_
     for metric in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "mismatch/logprob_abs_diff_mean"):
         assert moved[metric] == pytest.approx(colocated[metric], rel=1e-5, abs=1e-7), metric
     assert moved["rollout/staleness"] == [0.0] * STEPS
+    if "rollout.multi_turn.enable=true" in shared:
+        assert moved["agent/turns"] == colocated["agent/turns"] == [3.0] * STEPS
+        assert moved["agent/environment_tokens"] == colocated["agent/environment_tokens"]
     assert moved["sync/bytes_over_lower_bound"] == [1.0] * STEPS

@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from megarl.data.dataset import load_rows
 from megarl.data.synthetic import make_arithmetic
 from tests.conftest import ROOT, assert_succeeded, torchrun
+from tests.integration import user_environment
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +38,7 @@ USER_REWARD = f"{ROOT / 'tests/integration/user_reward.py'}:compute_score"
 # Trajectories of 3 model turns of at most 8 tokens, each of the first two answered by the environment with
 # a user message (ANSWERED, at most 26 tokens; one fewer after a turn that ends with <|im_end|>): at most 76.
 ANSWERED = "<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n"
-MULTI_TURN = ["rollout.multi_turn.enable=true", "rollout.multi_turn.max_turns=3", "rollout.multi_turn.reward=function",
-              "rollout.multi_turn.max_tokens_per_turn=8", "data.max_response_length=76", "data.max_prompt_length=32",
-              f"rollout.multi_turn.environment={ROOT / 'tests/integration/user_environment.py'}:AnswerEveryTurn",
-              "trainer.total_steps=3"]
+MULTI_TURN = [*user_environment.overrides(), "trainer.total_steps=3"]
 
 
 def _check_trajectories(run_dir, experiment, model):

@@ -1,16 +1,21 @@
 """Partial rollouts across a weight update: a response begun on version 0 and finished on version 1 keeps,
 token by token, the version that sampled it and its log-prob under that version, and the trainer's
 importance weights divide by exactly those. Checked against full forward passes of each version's
-weights (not the engine's incremental decoding), on the `hf` engine in a world of one process."""
+weights (not the engine's incremental decoding), on the `hf` engine in a world of one process. Multi-turn
+trajectories in flight resume from a saved state exactly, their environments replayed."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import math
+import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from megarl.agent.environment import Observation
 from megarl.algorithms.rollout_correction import ROLLOUT_CORRECTIONS, correct_rollout
 from megarl.config.loader import load_config
 from megarl.data.synthetic import make_arithmetic
@@ -94,3 +99,107 @@ def test_a_response_spanning_two_versions_keeps_each_tokens_behaviour_logprob(ti
         ratio_T = (train_BR[row, :len(versions)][old_T] - torch.tensor(rollouts.rollout_logprobs[row])[old_T]).exp()
         torch.testing.assert_close(weights_T[old_T], ratio_T.clamp(max=2.0), rtol=1e-4, atol=1e-5)
         assert not math.isclose(float(weights_T[old_T].min()), 1.0, abs_tol=1e-3)
+
+
+class CountTurns:
+    """An environment with state: it answers the model's k-th turn with "turn k"."""
+
+    def __init__(self, toolbox):
+        self.tools, self.turns = [], 0
+
+    def reset(self, sample) -> list[dict]:
+        return [{"role": "user", "content": f"{sample.ground_truth}?"}]
+
+    def step(self, assistant_text: str) -> Observation:
+        self.turns += 1
+        return Observation([{"role": "user", "content": f"turn {self.turns}"}])
+
+
+class AnswerDifferentlyOnReplay:
+    """An environment whose answers are random (not only a function of its sample and the model's turns): a
+    replay cannot give the run's answers back."""
+
+    def __init__(self, toolbox):
+        self.tools = []
+
+    def reset(self, sample) -> list[dict]:
+        return [{"role": "user", "content": f"{sample.ground_truth}?"}]
+
+    def step(self, assistant_text: str) -> Observation:
+        return Observation([{"role": "user", "content": os.urandom(2).hex()}])
+
+
+def _multi_turn(tiny_models, tmp_path, environment: str) -> tuple[RunInputs, object]:
+    train, test = make_arithmetic(16, 4, seed=0, out_dir=tmp_path)
+    config = load_config(str(ROOT / "configs/quickstart.yaml"), [
+        f"model.path={tiny_models['qwen2-tied']}", f"data.train_files=[{train}]", f"data.val_files=[{test}]",
+        "trainer.placement=split", "rollout.num_ranks=1", "trainer.max_staleness=1", "rollout.backend=hf",
+        f"rollout.partial_tokens={SEGMENT}", "data.train_batch_size=2", "rollout.n=2", "rollout.partial_groups=3",
+        "rollout.multi_turn.enable=true", "rollout.multi_turn.max_turns=3", "rollout.multi_turn.reward=function",
+        "rollout.multi_turn.max_tokens_per_turn=5", "data.max_response_length=76", "data.max_prompt_length=32",
+        f"rollout.multi_turn.environment={environment}"])
+    return RunInputs.open(config), config
+
+
+def _partial(config, inputs: RunInputs) -> tuple[PartialRollouts, HFRollout]:
+    engine = HFRollout(config.model.path, "float32")
+    return PartialRollouts(config, inputs.tokenizer, inputs.rewards, inputs.train_data, inputs.sampler, engine), engine
+
+
+def _update(engine: HFRollout, version: int) -> None:
+    generator = torch.Generator().manual_seed(version)
+    engine.begin_weight_update(version)
+    engine.load_weights([(name, p.detach() + 0.2 * torch.randn(p.shape, generator=generator))
+                         for name, p in engine.model.named_parameters()])
+    engine.end_weight_update()
+
+
+def test_a_multi_turn_trajectory_in_flight_resumes_where_it_was(tiny_models, tmp_path, world_of_one):
+    """Trajectories advance SEGMENT model tokens a round within a turn; the environment answers each ended turn.
+    Saved mid-flight, a new PartialRollouts replays the conversations into new environments and finishes the
+    batch exactly as the one never interrupted, on weights updated after the save; an environment that answers
+    the replay otherwise has its group generated anew."""
+    environment = f"{__file__}:CountTurns"
+    inputs, config = _multi_turn(tiny_models, tmp_path, environment)
+    partial, engine = _partial(config, inputs)
+    for _ in range(3):
+        partial.run_round(version=0)
+    saved = json.loads(json.dumps(partial.state_dict()))  # as a checkpoint holds it
+    in_flight = [r for group in saved["in_flight"] for r in group["responses"] if r["finish_reason"] is None]
+    assert any(r["turn"]["num_turns"] >= 1 for r in in_flight)  # answered turns to replay
+    _update(engine, 1)
+    rollouts, indices, _ = partial.take(step=2, version=1)
+
+    resumed_inputs, _ = _multi_turn(tiny_models, tmp_path, environment)
+    resumed, resumed_engine = _partial(config, resumed_inputs)
+    resumed.load_state_dict(saved)
+    _update(resumed_engine, 1)
+    again, again_indices, metrics = resumed.take(step=2, version=1)
+    assert again_indices == indices and metrics["rollout/restarted_groups"] == 0
+    for column in ("response_ids", "rollout_logprobs", "token_versions", "loss_masks", "scores", "trajectory_stats"):
+        assert getattr(again, column) == getattr(rollouts, column), column
+    assert [p.prompt_ids for p in again.prompts] == [p.prompt_ids for p in rollouts.prompts]
+
+    # What was trained on: the environment's answers out of the loss, each model turn within its cap, and
+    # trajectories begun on version 0 and finished on version 1.
+    spanning = 0
+    for ids, mask, versions, turns in zip(rollouts.response_ids, rollouts.loss_masks, rollouts.token_versions,
+                                          rollouts.trajectory_stats["turns"]):
+        runs = [len(list(run)) for model, run in itertools.groupby(mask) if model]
+        assert len(runs) == turns and max(runs) <= 5 and mask[-1] == 1
+        answers = inputs.tokenizer.decode([token for token, model in zip(ids, mask) if not model])
+        assert [f"turn {k}" in answers for k in (1, 2)] == [turns > 1, turns > 2], answers
+        spanning += versions[0] == 0 and versions[-1] == 1
+    assert spanning >= 1
+
+    # An environment that cannot replay: its group starts again from the prompt.
+    inputs, config = _multi_turn(tiny_models, tmp_path, f"{__file__}:AnswerDifferentlyOnReplay")
+    partial, _ = _partial(config, inputs)
+    for _ in range(3):
+        partial.run_round(version=0)
+    saved = json.loads(json.dumps(partial.state_dict()))
+    resumed, _ = _partial(config, _multi_turn(tiny_models, tmp_path, f"{__file__}:AnswerDifferentlyOnReplay")[0])
+    resumed.load_state_dict(saved)
+    answered = {group["index"] for group in saved["in_flight"]
+                if any(r["turn"]["num_turns"] and r["finish_reason"] is None for r in group["responses"])}
+    assert answered and resumed.restarted == len(answered) and set(resumed.waiting[:len(answered)]) == answered
