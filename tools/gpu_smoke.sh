@@ -8,11 +8,12 @@
 # The box: one GPU (H100 80GB or H200), Python 3.12, torch 2.11 with CUDA, transformers, tokenizers, pyarrow,
 # Triton and pytest; no megatron-core, vLLM or Transformer Engine; nothing can be downloaded. So the wheels
 # travel with the checkout (installed with --no-deps into a temporary target), rollouts use the `hf` engine,
-# and every job runs one rank (NCCL takes one rank per GPU). The steps run in three lanes at once (the user's
-# path: models, parity, SFT, GRPO; the gpu test files; the resume test, then mixture-of-experts models with
-# multi-latent attention), each lane's steps one after another; the GPU and the box's cores hold the tiny
-# models of all three. They share a deadline of DEADLINE_S seconds (default 470, under 8 minutes); a step's
-# log is in the logs folder (default: a temporary one). GRPO_STEPS (default 50) sets the length of the GRPO run.
+# and every job runs one rank (NCCL takes one rank per GPU). The steps run in three lanes at once (1: the user's
+# path: models, parity, SFT, GRPO; 2: the gpu test files, then multi-turn GRPO with an environment; 3: the resume
+# test, then mixture-of-experts models with multi-latent attention), each lane's steps one after another; the GPU
+# and the box's cores hold the tiny models of all three. LANES (default "1 2 3") picks lanes to run, e.g. to run
+# one again. They share a deadline of DEADLINE_S seconds (default 470, under 8 minutes); a step's log is in the
+# logs folder (default: a temporary one). GRPO_STEPS (default 50) sets the length of the GRPO run.
 #
 # The dry run proves the plumbing: each pytest step collects its tests, each program answers --help
 # (which imports all it needs). It runs no step's work and claims no GPU result.
@@ -23,6 +24,7 @@ PYTHON=${PYTHON:-python3}
 WHEELS=${WHEELS:-$ROOT/.gpu-wheels}
 DEADLINE_S=${DEADLINE_S:-470}
 GRPO_STEPS=${GRPO_STEPS:-50}
+LANES=${LANES:-1 2 3}
 DRY_RUN=0
 LOGS=""
 while (($#)); do
@@ -108,7 +110,8 @@ summary() {
     else
         local scores
         scores=$(grep -oE 'val/score/mean=[0-9.e+-]+' "$log" | sed -n '1p;$p' | cut -d= -f2 | paste -sd' ')
-        echo "${scores:+val score ${scores/ / -> }  }$(for key in sft/nll timing/step mismatch/logprob_abs_diff_max; do
+        echo "${scores:+val score ${scores/ / -> }  }$(for key in sft/nll agent/turns timing/step \
+                                                                  mismatch/logprob_abs_diff_max; do
             grep -oE "$key=[0-9.e+-]+" "$log" | tail -n 1; done | paste -sd' ')"
     fi
 }
@@ -151,13 +154,26 @@ user_path() {
         data.max_val_samples=200 rollout.backend=hf model.dtype=bfloat16 'trainer.loggers=[console]'
 }
 
-# The gpu-marked test files, but the resume test: it has a lane of its own.
-gpu_tests() {
+# The gpu-marked test files, but the resume test: it has a lane of its own. Then multi-turn GRPO from a random
+# tiny model: trajectories of 3 turns, the test environment answering the first two (rendered observations, the
+# environment's tokens out of the loss).
+gpu_tests_and_agent() {
     step 2 "every megarl module imports" shell "$PYTHON" tools/import_every_module.py
     local test_file
     for test_file in tests/gpu/test_*.py; do
         [[ $test_file == */$RESUME_TEST ]] || step 2 "${test_file#tests/gpu/}" pytest -m gpu "$test_file"
     done
+    step 2 "tiny model and data (multi-turn)" shell bash -c "
+        $PYTHON checkpoints_tools/make_tiny_model.py --family qwen2 --out $MODELS/agent &&
+        $PYTHON -m megarl.data.synthetic --task arithmetic --out-dir $WORK/agent_data --num-train 2000 --num-test 50"
+    step 2 "GRPO 5 steps multi-turn (hf engine, bf16)" program torchrun launchers/train_ppo.py \
+        --config configs/quickstart.yaml "model.path=$MODELS/agent" \
+        "data.train_files=[$WORK/agent_data/train.parquet]" "data.val_files=[$WORK/agent_data/test.parquet]" \
+        "trainer.output_dir=$WORK/agent_runs" trainer.total_steps=5 trainer.test_freq=0 trainer.log_freq=1 \
+        data.max_val_samples=50 rollout.backend=hf model.dtype=bfloat16 'trainer.loggers=[console]' \
+        rollout.multi_turn.enable=true rollout.multi_turn.max_turns=3 rollout.multi_turn.reward=function \
+        rollout.multi_turn.max_tokens_per_turn=8 data.max_response_length=76 data.max_prompt_length=32 \
+        "rollout.multi_turn.environment=$ROOT/tests/integration/user_environment.py:AnswerEveryTurn"
 }
 
 # The resume test, then DeepSeek-V3 (multi-latent attention, sigmoid routing with groups, YaRN), GLM-4.5 and
@@ -179,9 +195,9 @@ resume_and_moe() {
 }
 
 RESUME_TEST=test_resume_gpu.py
-user_path &
-gpu_tests &
-resume_and_moe &
+[[ " $LANES " == *" 1 "* ]] && user_path &
+[[ " $LANES " == *" 2 "* ]] && gpu_tests_and_agent &
+[[ " $LANES " == *" 3 "* ]] && resume_and_moe &
 wait
 
 echo

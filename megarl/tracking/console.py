@@ -22,7 +22,8 @@ from tqdm import tqdm
 
 CONSOLE_KEYS = ("sft/nll", "reward/mean", "val/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy",
                 "response_length/mean", "mismatch/logprob_abs_diff_max", "actor/moe/load_max_over_mean",
-                "actor/moe/load_balancing_loss", "actor/moe/z_loss", "actor/moe/routing_agreement", "timing/step",
+                "actor/moe/load_balancing_loss", "actor/moe/z_loss", "actor/moe/routing_agreement", "agent/turns",
+                "agent/tool_call_share", "timing/step",
                 "throughput/tokens_per_s", "teacher/reverse_kl")
 
 # (message regex, category, module regex): each fires once per process on every CPU run, for the reason given.

@@ -16,7 +16,7 @@ from tests.conftest import ROOT
 KIT_PROGRAM_STEPS = ["environment", "tiny models", "compare_logits float32", "compare_logits bfloat16",
                      "arithmetic data", "SFT warm start (bf16)", "GRPO 50 steps (hf engine, bf16)",
                      "compare_logits MoE float32", "compare_logits MoE bfloat16",
-                     "GRPO 5 steps DeepSeek-V3 (hf engine, bf16)"]
+                     "GRPO 5 steps DeepSeek-V3 (hf engine, bf16)", "GRPO 5 steps multi-turn (hf engine, bf16)"]
 
 
 def _shellcheck() -> str | None:
