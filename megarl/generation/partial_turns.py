@@ -78,7 +78,7 @@ class TurnRounds:
         learns their openings."""
         if not groups:
             return
-        openings = None
+        openings, conversations = None, []
         if self.is_leader:
             openings = []
             for group in groups:
@@ -86,12 +86,12 @@ class TurnRounds:
                     environment, renderer, messages, opening = open_trajectory(
                         self.environment_for, self.renderers, dataset[group.index], self.max_prompt_length)
                     self.seats[group.admission, j] = environment, renderer
-                    openings.append((opening, messages))
-        openings = iter(_from_leader(openings))
+                    openings.append(opening)
+                    conversations.append(list(messages))
+        openings, conversations = iter(_from_leader(openings)), iter(conversations)
         for group in groups:
             for response in group.responses:
-                opening, messages = next(openings)
-                response.turn = TurnState(opening=opening, messages=list(messages) if self.is_leader else [])
+                response.turn = TurnState(opening=next(openings), messages=next(conversations, []))
 
     def context(self, group: Group, response: Response, dataset: PromptDataset) -> list[int]:
         """The request that continues `response`: its trajectory's opening and every token so far."""
