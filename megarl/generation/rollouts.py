@@ -12,7 +12,7 @@ one all-reduce of a (B, 3 + extras) table: O(B) numbers, enough for group filter
 validation and deciding who trains on what. The responses themselves (token ids and the engine's
 log-probs, and for mixture-of-experts models the experts each token was routed to) stay on the
 ranks of the replica that generated them until `move_responses` sends each to the ranks that need
-it, in one all-to-all of tensors. Nothing pickles the batch: only the
+it, in one all-to-all of tensors (`pack_responses`). Nothing pickles the batch: only the
 extra metrics' names and the first reward failure's message travel as objects.
 """
 
@@ -234,49 +234,66 @@ def move_responses(rollouts: Rollouts, wanted: list[list[int]], engine_tp: int) 
     """Make rank r hold the responses of sequences `wanted[r]`, in place, in one all-to-all.
 
     Sequence i is sent to rank r by the rank of its replica at r's position in TP_r (r mod TP_r),
-    which spreads the sending over the replica. Token ids, log-probs, loss masks and expert ids travel as
-    float64 (all exact); every rank knows every length, so no sizes are exchanged."""
+    which spreads the sending over the replica. Every rank knows every length, so no sizes are exchanged."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    shape = rollouts.routed_experts_shape
-    routing_width = shape[0] * shape[1] if shape is not None else 0
-    per_token = 3 if rollouts.loss_masks else 2  # ids, log-probs (, loss mask)
 
     def sender(index: int, receiver: int) -> int:
         return rollouts.replicas[index] * engine_tp + receiver % engine_tp
 
-    def size(index: int) -> int:
-        length = rollouts.response_lengths[index]
-        routed = len(rollouts.prompts[index].prompt_ids) + length - 1 if routing_width else 0
-        return per_token * length + routed * routing_width
-
-    def payload(index: int) -> list[torch.Tensor]:
-        routing = [rollouts.routed_experts[index].flatten().double()] if routing_width else []
-        mask = [torch.tensor(rollouts.loss_masks[index], dtype=torch.float64)] if rollouts.loss_masks else []
-        return [torch.tensor(rollouts.response_ids[index], dtype=torch.float64),
-                torch.tensor(rollouts.rollout_logprobs[index], dtype=torch.float64), *mask, *routing]
-
     sent, send_splits = [], []
     for receiver in range(world):
         rows = [i for i in wanted[receiver] if sender(i, receiver) == rank]
-        sent += [part for i in rows for part in payload(i)]
-        send_splits.append(sum(size(i) for i in rows))
+        sent.append(pack_responses(rollouts, rows))
+        send_splits.append(len(sent[-1]))
     incoming = [[i for i in wanted[rank] if sender(i, rank) == source] for source in range(world)]
-    recv_splits = [sum(size(i) for i in rows) for rows in incoming]
+    recv_splits = [packed_size(rollouts, rows) for rows in incoming]
     received = torch.empty(sum(recv_splits), dtype=torch.float64)
-    collectives.all_to_all(received, torch.cat(sent) if sent else torch.zeros(0, dtype=torch.float64),
-                           recv_splits, send_splits)
+    collectives.all_to_all(received, torch.cat(sent), recv_splits, send_splits)
+    unpack_responses(rollouts, [i for rows in incoming for i in rows], received)
+
+
+def packed_size(rollouts: Rollouts, rows: list[int]) -> int:
+    """The length of `pack_responses(rollouts, rows)`, from the lengths every rank knows."""
+    return sum(_packed_size(rollouts, i) for i in rows)
+
+
+def pack_responses(rollouts: Rollouts, rows: list[int]) -> torch.Tensor:
+    """The responses of sequences `rows` (held here) as one float64 tensor, sequence after sequence: token
+    ids, log-probs, the loss mask of a multi-turn rollout and a mixture-of-experts model's routing (all exact)."""
+    parts = []
+    for i in rows:
+        parts += [torch.tensor(rollouts.response_ids[i], dtype=torch.float64),
+                  torch.tensor(rollouts.rollout_logprobs[i], dtype=torch.float64)]
+        if rollouts.loss_masks:
+            parts.append(torch.tensor(rollouts.loss_masks[i], dtype=torch.float64))
+        if rollouts.routed_experts_shape is not None:
+            parts.append(rollouts.routed_experts[i].flatten().double())
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+
+def unpack_responses(rollouts: Rollouts, rows: list[int], packed: torch.Tensor) -> None:
+    """Hold the responses of sequences `rows` from `pack_responses(rollouts, rows)` made elsewhere, in place."""
     offset = 0
-    for rows in incoming:
-        for i in rows:
-            length = rollouts.response_lengths[i]
-            rollouts.response_ids[i] = received[offset : offset + length].long().tolist()
-            rollouts.rollout_logprobs[i] = received[offset + length : offset + 2 * length].tolist()
-            if rollouts.loss_masks:
-                rollouts.loss_masks[i] = received[offset + 2 * length : offset + 3 * length].long().tolist()
-            if routing_width:
-                routing = received[offset + per_token * length : offset + size(i)]
-                rollouts.routed_experts[i] = routing.view(-1, *shape).to(torch.int16)
-            offset += size(i)
+    for i in rows:
+        length, size = rollouts.response_lengths[i], _packed_size(rollouts, i)
+        rollouts.response_ids[i] = packed[offset : offset + length].long().tolist()
+        rollouts.rollout_logprobs[i] = packed[offset + length : offset + 2 * length].tolist()
+        routing_start = offset + 2 * length
+        if rollouts.loss_masks:
+            rollouts.loss_masks[i] = packed[routing_start : routing_start + length].long().tolist()
+            routing_start += length
+        if rollouts.routed_experts_shape is not None:
+            routing = packed[routing_start : offset + size]
+            rollouts.routed_experts[i] = routing.view(-1, *rollouts.routed_experts_shape).to(torch.int16)
+        offset += size
+
+
+def _packed_size(rollouts: Rollouts, index: int) -> int:
+    length, per_token = rollouts.response_lengths[index], 3 if rollouts.loss_masks else 2
+    if rollouts.routed_experts_shape is None:
+        return per_token * length
+    layers, top_k = rollouts.routed_experts_shape
+    return per_token * length + (len(rollouts.prompts[index].prompt_ids) + length - 1) * layers * top_k
 
 
 def _columns() -> list[tuple[str, str]]:

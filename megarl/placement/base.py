@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -28,9 +29,10 @@ class StepRollouts:
     """A step's scored rollouts, as the placement made them."""
 
     rollouts: Rollouts
-    engine_tp: int | None
-    """Where the responses are: each on the ranks of the engine replica (of `engine_tp` consecutive ranks) that
-    generated it; None: every rank holds every response."""
+    """Every sequence's scores and lengths; a response is held where the placement made it, not yet where it trains."""
+    move: Callable[[Rollouts, list[list[int]]], None]
+    """`move(rollouts, wanted)` makes trainer rank r hold the responses of sequences `wanted[r]` (every trainer
+    rank calls it): from the colocated engine replicas that generated them, or from the rollout ranks."""
     metrics: dict[str, float] = field(default_factory=dict)
     """How they were made: filter rounds, the weight sync before them, staleness."""
     greedy_baseline_B: torch.Tensor | None = None

@@ -11,6 +11,7 @@ rollout phase.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -21,7 +22,7 @@ from megarl.generation.collector import RolloutCollector
 from megarl.generation.inputs import RunInputs
 from megarl.generation.judge import training_rewards
 from megarl.generation.policy import RolloutPolicy
-from megarl.generation.rollouts import Rollouts
+from megarl.generation.rollouts import Rollouts, move_responses
 from megarl.generation.validation import validation_metrics
 from megarl.placement.base import Placement, StepRollouts, sync_metrics
 from megarl.rollout import Sampling
@@ -45,7 +46,8 @@ class ColocatedPlacement(Placement):
             baseline_B = self._greedy_baseline(rollouts, step) if self.needs_greedy_baseline else None
         self.policy.leave_rollout(timer)
         metrics = {**sync_metrics(sync), "rollout/filter_rounds": float(rounds)}
-        return StepRollouts(rollouts, self.config.rollout.tp, metrics, baseline_B)
+        return StepRollouts(rollouts, functools.partial(move_responses, engine_tp=self.config.rollout.tp), metrics,
+                            baseline_B)
 
     def validate(self, step: int) -> dict[str, float]:
         """Synced first, because after a step the engine still holds the weights that step started from (a

@@ -32,8 +32,9 @@ checkpoint holds the responses in flight and the rollout ranks' sampler (the tra
 Multi-turn rollouts (`rollout.multi_turn`) run on the rollout ranks, whole or partial; a batch carries each
 trajectory's opening (its prompt), loss mask and counts.
 
-Batches travel whole from the first rollout rank to every rank (one broadcast; the trainer ranks
-then keep their DP share): O(batch) bytes per trainer rank, not O(share).
+A batch crosses from the first rollout rank as a header of every sequence's scalars (broadcast) and, once
+the trainer has dealt its DP ranks' shares, each trainer rank's responses as one tensor sent to it alone
+(`megarl.placement.batches`): O(share) bytes per trainer rank.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ import time
 import torch
 
 from megarl.config.schema import RunConfig
-from megarl.data.prompt_dataset import PromptDataset
 from megarl.distributed.layout import ParallelLayout
 from megarl.distributed.process import freeze_start_up_objects
 from megarl.distributed.split_world import SplitWorld
@@ -60,6 +60,7 @@ from megarl.generation.rollouts import Rollouts, move_responses
 from megarl.generation.validation import validation_metrics
 from megarl.models.architecture import Architecture
 from megarl.placement.base import Placement, StepRollouts, sync_metrics
+from megarl.placement.batches import BatchBridge, batch_payload
 from megarl.resharding.cross_group import CrossGroupSync
 from megarl.resharding.executor import SyncStats
 from megarl.rewards import RewardFunctionError
@@ -77,6 +78,7 @@ class SplitPlacement(Placement):
         self.world, self.config, self.inputs = world, config, inputs
         self.sync = CrossGroupSync(world, config.rollout.tp, config.rollout.bucket_mib << 20,
                                    trainer=(module, arch, layout))
+        self.bridge = BatchBridge(world, inputs.train_data, config.rollout.n)
         self.engine_version: int | None = None
 
     def start(self, start_step: int, sampler_state: dict, saved: dict) -> None:
@@ -88,7 +90,7 @@ class SplitPlacement(Placement):
         # Partial rollouts take prompts as groups finish: the rollout ranks' sampler alone knows which.
         expected = None if self.config.rollout.partial_tokens else self.inputs.sampler.next_batch()
         rollouts, metrics = self._receive(step, expected, timer)
-        return StepRollouts(rollouts, None, {**metrics, "rollout/filter_rounds": 1.0})
+        return StepRollouts(rollouts, self.bridge.move, {**metrics, "rollout/filter_rounds": 1.0})
 
     def validate(self, step: int) -> dict[str, float]:
         """The rollout ranks validate, with the weights synced to them first."""
@@ -111,31 +113,30 @@ class SplitPlacement(Placement):
 
     def _receive(self, step: int, expected_indices: list[int] | None, timer: PhaseTimer
                 ) -> tuple[Rollouts, dict[str, float]]:
-        """B_step, whose prompts must be `expected_indices` (the trainer's sampler; None: any), and the
-        metrics of its making: staleness, the rollout ranks' generation and idle time, the sync before it."""
+        """B_step, whose prompts must be `expected_indices` (the trainer's sampler; None: any), its responses not
+        yet held (`StepRollouts.move`), and the metrics of its making: staleness, the rollout ranks' generation and
+        idle time, the sync before it."""
         with timer("wait_for_rollout"):
-            payload = self.world.broadcast_object(None, root=self.world.first_rollout_rank)
-        if payload["error"] is not None:
-            raise RewardFunctionError(payload["error"])
-        if payload["step"] != step or expected_indices not in (None, payload["indices"]):
-            raise RuntimeError(f"step {step}: the rollout ranks generated batch {payload['step']} for prompts "
-                               f"{payload['indices'][:8]}..., the trainer's sampler is at prompts "
+            header, rollouts = self.bridge.receive()
+        if header["error"] is not None:
+            raise RewardFunctionError(header["error"])
+        if header["step"] != step or expected_indices not in (None, header["indices"]):
+            raise RuntimeError(f"step {step}: the rollout ranks generated batch {header['step']} for prompts "
+                               f"{header['indices'][:8]}..., the trainer's sampler is at prompts "
                                f"{(expected_indices or [])[:8]}...: a prompt would be lost or repeated")
-        ages = [step - 1 - version for versions in payload["token_versions"] for version in versions]
-        staleness = max(ages, default=0)
+        staleness = header["staleness"]
         oldest = step - 1 - staleness
-        logger.debug("step %d: trains on prompts %s of policy version %d", step, payload["indices"], oldest)
+        logger.debug("step %d: trains on prompts %s of policy version %d", step, header["indices"], oldest)
         if staleness > self.config.trainer.max_staleness:
             raise RuntimeError(f"step {step}: its batch has tokens of policy version {oldest}, "
                                f"{staleness} versions old; trainer.max_staleness={self.config.trainer.max_staleness}")
-        spanning = [len(set(versions)) > 1 for versions in payload["token_versions"]]
-        metrics = {"rollout/staleness": float(staleness), "rollout/staleness_mean": sum(ages) / max(len(ages), 1),
-                   "rollout/multi_version_responses": sum(spanning) / max(len(spanning), 1),
-                   "timing/rollout_generate": payload["generate_seconds"],
-                   "timing/rollout_idle": payload["idle_seconds"], **payload["metrics"]}
-        if payload["sync"] is not None:
-            metrics.update(sync_metrics(SyncStats(**payload["sync"])))
-        return rollouts_from_payload(payload, self.inputs.train_data, self.config.rollout.n), metrics
+        metrics = {"rollout/staleness": float(staleness), "rollout/staleness_mean": header["staleness_mean"],
+                   "rollout/multi_version_responses": header["multi_version_responses"],
+                   "timing/rollout_generate": header["generate_seconds"],
+                   "timing/rollout_idle": header["idle_seconds"], **header["metrics"]}
+        if header["sync"] is not None:
+            metrics.update(sync_metrics(SyncStats(**header["sync"])))
+        return rollouts, metrics
 
 
 class RolloutWorker:
@@ -155,6 +156,7 @@ class RolloutWorker:
                                                        inputs.sampler, self.engine))
                         if rollout.partial_tokens else
                         QueuedBatches(config, self.collector, self.engine, inputs, world.num_rollout_ranks))
+        self.bridge = BatchBridge(world, inputs.train_data, rollout.n)
         self.engine_version: int | None = None
         self.last_sync: SyncStats | None = None
         """The latest sync's statistics, sent with the next batch."""
@@ -173,7 +175,8 @@ class RolloutWorker:
             self._sync_to(step - 1)
             with self._generating():
                 batch = self.batches.take(step, version=step - 1)
-            self._send(self._stamped(batch))
+            with self._idle():
+                self.bridge.send(self._stamped(batch))
             if step < trainer.total_steps:
                 with self._generating():
                     self.batches.ahead(step, version=step - 1)
@@ -192,15 +195,20 @@ class RolloutWorker:
 
     def _sync_to(self, version: int) -> None:
         if version != self.engine_version:
-            start = time.perf_counter()
-            self.last_sync = self.sync.sync(version)
-            self.idle_seconds += time.perf_counter() - start
+            with self._idle():
+                self.last_sync = self.sync.sync(version)
             self.engine_version = version
 
-    def _send(self, value) -> None:
+    @contextlib.contextmanager
+    def _idle(self):
         start = time.perf_counter()
-        self.world.broadcast_object(value, root=self.world.first_rollout_rank)
+        yield
         self.idle_seconds += time.perf_counter() - start
+
+    def _send(self, value) -> None:
+        """Small state to every rank whole: validation metrics, what a checkpoint holds."""
+        with self._idle():
+            self.world.broadcast_object(value, root=self.world.first_rollout_rank)
 
     def _stamped(self, payload: dict) -> dict:
         """The batch as sent, with how the rollout ranks spent the time since the previous one."""
@@ -282,38 +290,3 @@ class PartialBatches:
             self.partial.load_state_dict(saved["rollout_partial"])
         else:
             self.partial.sampler.load_state_dict(sampler_state)
-
-
-def batch_payload(rollouts: Rollouts, step: int, indices: list[int], metrics: dict[str, float]) -> dict:
-    """A generated batch as plain values (JSON-safe, for checkpoints); responses as the first rollout
-    rank holds them; `metrics` of its making. `error`: why no reward call succeeded, if none did."""
-    failed = len(rollouts) and rollouts.num_reward_errors + rollouts.num_reward_timeouts == len(rollouts)
-    error = None
-    if failed:
-        error = (f"all {len(rollouts)} reward calls failed ({rollouts.num_reward_errors} errors, "
-                 f"{rollouts.num_reward_timeouts} timeouts); first: {rollouts.first_reward_failure}")
-    multi_turn = bool(rollouts.loss_masks)
-    return {"step": step, "indices": indices, "response_ids": rollouts.response_ids,
-            "logprobs": rollouts.rollout_logprobs, "token_versions": rollouts.token_versions,
-            "finish_reasons": rollouts.finish_reasons, "scores": rollouts.scores, "score_extras": rollouts.score_extras,
-            "num_reward_errors": rollouts.num_reward_errors, "num_reward_timeouts": rollouts.num_reward_timeouts,
-            "first_reward_failure": rollouts.first_reward_failure, "error": error, "metrics": metrics,
-            "openings": [p.prompt_ids for p in rollouts.prompts] if multi_turn else None,
-            "loss_masks": rollouts.loss_masks, "trajectory_stats": rollouts.trajectory_stats}
-
-
-def rollouts_from_payload(payload: dict, dataset: PromptDataset, n: int) -> Rollouts:
-    """The trainer's `Rollouts` of a received batch: every response held on every rank. A multi-turn
-    sequence's prompt is its trajectory's opening (its environment's first messages)."""
-    prompts = [p for i in payload["indices"] for p in [dataset[i]] * n]
-    if payload["openings"] is not None:
-        prompts = [dataclasses.replace(p, prompt_ids=ids) for p, ids in zip(prompts, payload["openings"])]
-    num_sequences = len(prompts)
-    return Rollouts(
-        prompts=prompts, group_ids=[i // n for i in range(num_sequences)],
-        replicas=[0] * num_sequences, response_lengths=[len(ids) for ids in payload["response_ids"]],
-        response_ids=payload["response_ids"], rollout_logprobs=payload["logprobs"],
-        finish_reasons=payload["finish_reasons"], scores=payload["scores"], score_extras=payload["score_extras"],
-        num_reward_errors=payload["num_reward_errors"], num_reward_timeouts=payload["num_reward_timeouts"],
-        first_reward_failure=payload["first_reward_failure"], token_versions=payload["token_versions"],
-        loss_masks=payload["loss_masks"], trajectory_stats=payload["trajectory_stats"])

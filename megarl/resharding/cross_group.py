@@ -1,12 +1,15 @@
 """Split placement's weight sync: training shards on the trainer ranks -> the engines on the rollout ranks.
 
-The trainer ranks of one DP replica (the one of trainer rank 0; for mixture-of-experts models the
-routed experts from its expert replica) are the sources, the first engine replica's ranks the
-needs: the same plan as a colocated sync (`plan_for_rank`, with the rollout ranks as receivers),
-so each rank of that replica receives exactly the bytes its engine shard holds, in messages over
-the bridge (`megarl.distributed.split_world`). The other engine replicas need the same slices: each
-engine TP position's ranks form a group, and its first replica's rank broadcasts each received
-tensor over it, a broadcast tree (the backend's) rather than one send per replica from the trainers.
+Every trainer replica (the ranks of one TP x PP model copy: a DP, or context-parallel, rank) feeds an
+engine replica of its own: engine replica j < F = min(trainer replicas, engine replicas) takes its weights
+from trainer replica j (for mixture-of-experts models the routed experts from trainer rank 0's expert
+replica, to each of them), in the same plan as a colocated sync (`plan_for_rank`, with the rollout ranks as
+receivers), so each rank of a fed replica receives exactly the bytes its engine shard holds, in messages
+over the bridge (`megarl.distributed.split_world`), and the trainer replicas send at once: a sync takes
+as long with F engine replicas as with one. Engine replicas j >= F need the same slices as replica j mod F:
+the ranks at one engine TP position of replicas j, j + F, j + 2F ... form a group, and the fed replica's
+rank broadcasts each received tensor over it, a broadcast tree (the backend's) rather than more sends
+from the trainers.
 
 Weights move in buckets of whole layers (`layer_buckets`), sized by their HF tensors' bytes, so
 every rank derives the same buckets: a rollout rank holds one bucket of its engine shards at a time,
@@ -26,13 +29,14 @@ from typing import Collection, Iterator
 import torch
 
 from megarl import device
+from megarl.distributed import collectives
 from megarl.distributed.layout import ParallelLayout
 from megarl.distributed.split_world import SplitWorld
 from megarl.models.architecture import Architecture
 from megarl.models.state_dict_adapter import mapped_tensors
 from megarl.resharding.engine_layout import engine_needs
 from megarl.resharding.executor import SyncStats, gather_replica, hf_shapes_from, layer_buckets, local_sources
-from megarl.resharding.plan import Need, Transfer, plan_for_rank
+from megarl.resharding.plan import Need, Transfer, merge_plans, plan_for_rank
 from megarl.resharding.tensor_shard import TensorShard
 from megarl.rollout.base import RolloutEngine
 
@@ -45,19 +49,23 @@ class CrossGroupSync:
         self.world, self.engine, self.rank = world, engine, world.rank
         self.trainer_tensors = mapped_tensors(*trainer[:2]) if trainer is not None else {}
         described = _describe_sources(*trainer) if trainer is not None else None
-        arch, dense, experts, shapes, dtypes = world.broadcast_object(described, root=0)
+        arch, replicas, experts, shapes, dtypes = world.broadcast_object(described, root=0)
         self.hf_shapes, self.hf_dtypes = shapes, dtypes
         first = world.first_rollout_rank
-        self.replica_ranks = range(first, first + engine_tp)
-        """The engine replica fed by the trainers; the others receive by broadcast from it."""
-
-        def needs_of(rank: int, names: Collection[str] | None) -> list[Need]:
-            if rank not in self.replica_ranks:
-                return []
-            return engine_needs(rank, rank - first, engine_tp, shapes, arch, names)
-
+        self.fed = min(len(replicas), world.num_rollout_ranks // engine_tp)
+        """Engine replicas 0 .. fed-1 take their weights from the trainer replica of their number."""
         itemsize = max(dtype.itemsize for dtype in dtypes.values())
-        self.plan = plan_for_rank(self.rank, dense, needs_of, shapes, itemsize, experts, self.replica_ranks)
+        plans = []
+        for j in range(self.fed):
+            engine_ranks = range(first + j * engine_tp, first + (j + 1) * engine_tp)
+
+            def needs_of(rank: int, names: Collection[str] | None, engine_ranks=engine_ranks) -> list[Need]:
+                if rank not in engine_ranks:
+                    return []
+                return engine_needs(rank, rank - engine_ranks[0], engine_tp, shapes, arch, names)
+
+            plans.append(plan_for_rank(self.rank, replicas[j], needs_of, shapes, itemsize, experts, engine_ranks))
+        self.plan = merge_plans(plans)
         position = (self.rank - first) % engine_tp  # in its engine replica: what it needs depends on this alone
         self.needs = {} if world.is_trainer else {
             need.hf_name: need for need in engine_needs(self.rank, position, engine_tp, shapes, arch)}
@@ -68,10 +76,14 @@ class CrossGroupSync:
         for t in sorted(self.plan.transfers, key=lambda t: (t.hf_name, t.src, t.dst, t.start)):
             self.bucket_transfers[bucket_of[t.hf_name]].append(t)
         self.position_group = None
-        """The rollout ranks at this rank's engine TP position, first replica first (over which it broadcasts)."""
-        if not world.is_trainer and world.num_rollout_ranks > engine_tp:
-            self.position_group = world.bridge_group(tuple(range(first + position, first + world.num_rollout_ranks,
-                                                                 engine_tp)))
+        """The rollout ranks at this rank's engine TP position in the replicas fed alike, the fed one first (over
+        which it broadcasts)."""
+        if not world.is_trainer:
+            alike = ((self.rank - first) // engine_tp) % self.fed
+            ranks = tuple(range(first + alike * engine_tp + position, first + world.num_rollout_ranks,
+                                self.fed * engine_tp))
+            if len(ranks) > 1:
+                self.position_group = world.bridge_group(ranks)
 
     @torch.no_grad()
     def sync(self, step: int) -> SyncStats:
@@ -109,14 +121,14 @@ class CrossGroupSync:
         return shape
 
     def _buckets_in(self, received: list[int], peak: list[int]) -> Iterator[tuple[str, torch.Tensor]]:
-        """This rank's engine shards, bucket by bucket: received from the trainers (first replica) or
-        broadcast from the first replica's rank at the same engine TP position (the others)."""
+        """This rank's engine shards, bucket by bucket: received from the trainers (a fed replica) or
+        broadcast from the rank at the same engine TP position of the fed replica alike (the others)."""
         on = device.compute_device()  # the bridge's backend takes this device's tensors: NCCL's CUDA, gloo's CPU
         for names, transfers in zip(self.buckets, self.bucket_transfers):
             tensors = {name: torch.empty(self._shard_shape(self.needs[name]), dtype=self.hf_dtypes[name], device=on)
                        for name in names if name in self.needs}
             works, unpack = [], []
-            for t in transfers:  # only the first replica's ranks have transfers
+            for t in transfers:  # only the fed replicas' ranks have transfers
                 target = t.in_engine_shard(tensors[t.hf_name], self.needs[t.hf_name])
                 landing = target if target.is_contiguous() else torch.empty_like(target)
                 if landing is not target:
@@ -143,20 +155,24 @@ class CrossGroupSync:
 
 
 def _describe_sources(module: torch.nn.Module, arch: Architecture, layout: ParallelLayout) -> tuple | None:
-    """On trainer rank 0: (arch, the dense pieces of its DP replica, the expert pieces of its expert
-    replica, HF shapes, HF dtypes); a collective over the trainer ranks (None elsewhere)."""
+    """On trainer rank 0: (arch, the dense pieces of each trainer replica (the ranks of one TP x PP copy), the
+    expert pieces of its expert replica, HF shapes, HF dtypes); a collective over the trainer ranks (None
+    elsewhere). Replicas are in the order of their first ranks, trainer rank 0's first."""
     own_shards = {name: (tuple(p.shape), p.dtype) for name, p in mapped_tensors(module, arch).items()}
     experts, others = local_sources(module, arch, layout)
     replica = gather_replica((layout.rank, others, own_shards), [layout.tp_group, layout.pp_group])
     expert_replica = gather_replica((layout.rank, experts, own_shards), [layout.etp_group, layout.ep_group,
                                                                          layout.pp_group]) if arch.is_moe else []
+    leads = layout.rank == min(rank for rank, _, _ in replica)
+    replicas = [pieces for pieces in collectives.all_gather_object(
+        [piece for _, pieces, _ in replica for piece in pieces] if leads else None) if pieces is not None]
     if layout.rank != 0:
         return None
-    dense = [piece for _, pieces, _ in replica for piece in pieces]
     expert = [piece for _, pieces, _ in expert_replica for piece in pieces]
     shards = {(rank, name): shard for rank, _, rank_shards in replica + expert_replica
               for name, shard in rank_shards.items()}
+    dense = replicas[0]
     shapes = hf_shapes_from(dense + expert, {key: shape for key, (shape, _) in shards.items()})
     dtypes = {piece.hf_name: shards[(piece.rank, piece.megatron_name)][1] for piece in dense + expert}
-    return arch, dense, expert, shapes, dtypes
+    return arch, replicas, expert, shapes, dtypes
 

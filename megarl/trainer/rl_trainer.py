@@ -177,7 +177,7 @@ class RLTrainer:
     def step(self, step: int) -> dict[str, float]:
         timer = PhaseTimer(step)
         made = self.placement.rollouts(step, timer)
-        local, share = take_share(made.rollouts, self.layout, made.engine_tp, self.config.actor.ppo_mini_batch_size,
+        local, share = take_share(made.rollouts, self.layout, made.move, self.config.actor.ppo_mini_batch_size,
                                   self.config.trainer.seed, step)
         group_ids_B, num_groups = share.group_ids_B, share.num_groups
         batch = local.to_batch(self.pad_token_id)

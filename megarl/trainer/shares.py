@@ -4,19 +4,20 @@ A step's groups (the n responses of one prompt) are numbered 0..G-1 in the step'
 actor's first-epoch mini-batches (`mini_batch_groups`: seeded, the same at any DP) are each dealt
 over the DP ranks by tokens (`owned_groups`, the LPT rule). A DP rank keeps its groups whole, so
 group estimators (GRPO, RLOO) compute advantages on its share alone; `move_responses` brings the
-share's responses from the replicas that generated them to all TP and PP ranks of the DP rank.
+share's responses from where the placement made them to all TP and PP ranks of the DP rank.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from megarl.distributed import collectives
 from megarl.distributed.layout import ParallelLayout
 from megarl.engine.batching import mini_batch_groups, owned_groups
-from megarl.generation.rollouts import Rollouts, move_responses
+from megarl.generation.rollouts import Rollouts
 
 
 @dataclass
@@ -29,11 +30,10 @@ class Share:
     """G, the step's number of groups."""
 
 
-def take_share(rollouts: Rollouts, layout: ParallelLayout, engine_tp: int | None, groups_per_mini_batch: int,
-               seed: int, step: int) -> tuple[Rollouts, Share]:
+def take_share(rollouts: Rollouts, layout: ParallelLayout, move: Callable[[Rollouts, list[list[int]]], None],
+               groups_per_mini_batch: int, seed: int, step: int) -> tuple[Rollouts, Share]:
     """This DP rank's part of the step's rollouts, its responses held here (collective: every rank
-    calls). `engine_tp`: of the colocated engines holding the responses; None when every rank holds
-    every response already (split placement)."""
+    calls). `move`: the placement's way to bring each rank the responses it wants (`StepRollouts.move`)."""
     groups = sorted(set(rollouts.group_ids))
     number = {group: k for k, group in enumerate(groups)}
     group_of = [number[group] for group in rollouts.group_ids]
@@ -45,9 +45,8 @@ def take_share(rollouts: Rollouts, layout: ParallelLayout, engine_tp: int | None
         raise RuntimeError(f"step {step}: {len(groups)} groups for {layout.dp} DP ranks; every DP rank needs a "
                            "group: raise algorithm.max_filter_rounds or data.train_batch_size")
     sequences = [[i for i, group in enumerate(group_of) if group in owned] for owned in map(set, owners)]
-    if engine_tp is not None:
-        dp_rank_of = collectives.all_gather(torch.tensor([layout.dp_rank]))
-        move_responses(rollouts, [sequences[int(dp_rank)] for dp_rank in dp_rank_of], engine_tp)
+    dp_rank_of = collectives.all_gather(torch.tensor([layout.dp_rank]))
+    move(rollouts, [sequences[int(dp_rank)] for dp_rank in dp_rank_of])
     mine = sequences[layout.dp_rank]
     return rollouts.select(mine), Share(mine, torch.tensor([group_of[i] for i in mine]), len(groups))
 

@@ -1,6 +1,7 @@
-"""Split placement at staleness 0 is the colocated run, moved: the real launcher for 3 GRPO steps with 1 trainer
-+ 1 rollout rank (`hf` engine, multi-turn trajectories with an environment) and with a TP2 trainer + 2 rollout
-ranks (one vLLM engine at TP2), each against the colocated run of the same trainer layout and engine. Every
+"""Split placement at staleness 0 is the colocated run, moved: the real launcher for 3 GRPO steps with a DP2
+trainer + 1 rollout rank (`hf` engine, multi-turn trajectories with an environment; each trainer rank receives
+its share of the batch alone) and with a TP2 trainer + 2 rollout ranks (one vLLM engine at TP2), each
+against the colocated run of the same trainer layout and engine. Every
 prompt samples with its own seed and the engine holds the trainer's weights of the previous step, so the
 responses and rewards are the colocated run's exactly, and the losses agree (same kernels, same bytes). Every
 sync moves what the engines need and no more. (Staleness 1 and exact resume: test_checkpoint_resume.py.)
@@ -18,7 +19,7 @@ from tests.integration import user_environment
 STEPS = 3
 CASES = {  # name: (processes, overrides shared by both runs, split placement's own)
     # Trajectories of three turns, the environment answering the first two.
-    "1+1-hf-multi-turn": (1, ["rollout.backend=hf", *user_environment.overrides()], ["rollout.num_ranks=1"]),
+    "dp2+1-hf-multi-turn": (2, ["rollout.backend=hf", *user_environment.overrides()], ["rollout.num_ranks=1"]),
     "tp2+2-vllm-tp2": (2, ["actor.tp=2", "rollout.tp=2"], ["rollout.num_ranks=2"]),
 }
 

@@ -1,14 +1,16 @@
 """Rollouts of several filter rounds whose reward functions returned different extra metrics, every
-per-sequence column following its sequence, and stopping when no reward call of a batch succeeded."""
+per-sequence column following its sequence, stopping when no reward call of a batch succeeded, and responses
+packed into one tensor and back (how they travel between ranks)."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
+import torch
 
 from megarl.data.dataset import Prompt
-from megarl.generation.rollouts import Rollouts
+from megarl.generation.rollouts import Rollouts, pack_responses, packed_size, unpack_responses
 from megarl.rewards import RewardFunctionError
 
 NAN = math.nan
@@ -66,3 +68,28 @@ def test_a_batch_where_every_reward_call_failed_stops_the_run():
 
     rollouts.num_reward_errors = 3  # one call succeeded: an unlucky batch, not a broken function
     rollouts.require_rewards()
+
+
+def test_responses_packed_and_unpacked_are_the_same_values_at_the_same_sequences():
+    """Token ids, log-probs, loss masks and routed experts (L=2 layers, top-2, over prompt + response - 1
+    tokens) of sequences 2 and 0, packed, land at sequences 2 and 0 of rollouts that held none."""
+    lengths, generator = [3, 1, 2], torch.Generator().manual_seed(0)
+    held = Rollouts(prompts=[Prompt([5] * (i + 1), "arithmetic", "3", {}, i) for i in range(3)], group_ids=[0, 1, 2],
+                    replicas=[0] * 3, response_lengths=lengths,
+                    response_ids=[torch.randint(0, 50_000, (n,), generator=generator).tolist() for n in lengths],
+                    rollout_logprobs=[(-torch.rand(n, generator=generator, dtype=torch.float64)).tolist()
+                                      for n in lengths],
+                    loss_masks=[[1, 0, 1], [1], [0, 1]], routed_experts_shape=(2, 2),
+                    routed_experts=[torch.randint(0, 64, (i + n, 2, 2), generator=generator, dtype=torch.int16)
+                                    for i, n in enumerate(lengths)])
+    packed = pack_responses(held, [2, 0])
+    assert len(packed) == packed_size(held, [2, 0]) == (3 * 2 + 2 * 2 * 4) + (3 * 3 + 3 * 2 * 2)
+    empty = Rollouts(prompts=held.prompts, group_ids=[0, 1, 2], replicas=[0] * 3, response_lengths=lengths,
+                     response_ids=[None] * 3, rollout_logprobs=[None] * 3, loss_masks=[None] * 3,
+                     routed_experts_shape=(2, 2), routed_experts=[None] * 3)
+    unpack_responses(empty, [2, 0], packed)
+    for i in (2, 0):
+        assert empty.response_ids[i] == held.response_ids[i] and empty.loss_masks[i] == held.loss_masks[i]
+        assert empty.rollout_logprobs[i] == held.rollout_logprobs[i]  # float64 carries them exactly
+        assert torch.equal(empty.routed_experts[i], held.routed_experts[i])
+    assert empty.response_ids[1] is None and empty.routed_experts[1] is None

@@ -26,7 +26,7 @@ SOURCES = [SourcePiece(0, DOWN, 1, 0, 3, "decoder.layers.0.mlp.linear_fc2.weight
            SourcePiece(0, NORM, 0, 0, 4, "decoder.final_layernorm.weight", 0),
            SourcePiece(1, NORM, 0, 0, 4, "decoder.final_layernorm.weight", 0)]
 SHAPES = {DOWN: (4, 6), NORM: (4,)}
-DESCRIBED = (ARCH, SOURCES, [], SHAPES, dict.fromkeys(SHAPES, torch.float32))
+DESCRIBED = (ARCH, [SOURCES], [], SHAPES, dict.fromkeys(SHAPES, torch.float32))
 
 
 class _Done:
