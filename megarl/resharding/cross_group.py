@@ -2,14 +2,14 @@
 
 Every trainer replica (the ranks of one TP x PP model copy: a DP, or context-parallel, rank) feeds an
 engine replica of its own: engine replica j < F = min(trainer replicas, engine replicas) takes its weights
-from trainer replica j (for mixture-of-experts models the routed experts from trainer rank 0's expert
-replica, to each of them), in the same plan as a colocated sync (`plan_for_rank`, with the rollout ranks as
-receivers), so each rank of a fed replica receives exactly the bytes its engine shard holds, in messages
-over the bridge (`megarl.distributed.split_world`), and the trainer replicas send at once: a sync takes
-as long with F engine replicas as with one. Engine replicas j >= F need the same slices as replica j mod F:
-the ranks at one engine TP position of replicas j, j + F, j + 2F ... form a group, and the fed replica's
-rank broadcasts each received tensor over it, a broadcast tree (the backend's) rather than more sends
-from the trainers.
+from trainer replica j, and for mixture-of-experts models its routed experts from expert replica j mod E
+(the ranks of one ETP x EP x PP copy of the experts, E of them), in the same plan as a colocated sync
+(`plan_for_rank`, with the rollout ranks as receivers), so each rank of a fed replica receives exactly the
+bytes its engine shard holds, in messages over the bridge (`megarl.distributed.split_world`), and the
+trainer replicas send at once: a sync takes as long with F engine replicas as with one. Engine replicas
+j >= F need the same slices as replica j mod F: the ranks at one engine TP position of replicas j, j + F,
+j + 2F ... form a group, and the fed replica's rank broadcasts each received tensor over it, a broadcast
+tree (the backend's) rather than more sends from the trainers.
 
 Weights move in buckets of whole layers (`layer_buckets`), sized by their HF tensors' bytes, so
 every rank derives the same buckets: a rollout rank holds one bucket of its engine shards at a time,
@@ -49,7 +49,7 @@ class CrossGroupSync:
         self.world, self.engine, self.rank = world, engine, world.rank
         self.trainer_tensors = mapped_tensors(*trainer[:2]) if trainer is not None else {}
         described = _describe_sources(*trainer) if trainer is not None else None
-        arch, replicas, experts, shapes, dtypes = world.broadcast_object(described, root=0)
+        arch, replicas, expert_replicas, shapes, dtypes = world.broadcast_object(described, root=0)
         self.hf_shapes, self.hf_dtypes = shapes, dtypes
         first = world.first_rollout_rank
         self.fed = min(len(replicas), world.num_rollout_ranks // engine_tp)
@@ -64,6 +64,7 @@ class CrossGroupSync:
                     return []
                 return engine_needs(rank, rank - engine_ranks[0], engine_tp, shapes, arch, names)
 
+            experts = expert_replicas[j % len(expert_replicas)] if expert_replicas else []
             plans.append(plan_for_rank(self.rank, replicas[j], needs_of, shapes, itemsize, experts, engine_ranks))
         self.plan = merge_plans(plans)
         position = (self.rank - first) % engine_tp  # in its engine replica: what it needs depends on this alone
@@ -156,23 +157,30 @@ class CrossGroupSync:
 
 def _describe_sources(module: torch.nn.Module, arch: Architecture, layout: ParallelLayout) -> tuple | None:
     """On trainer rank 0: (arch, the dense pieces of each trainer replica (the ranks of one TP x PP copy), the
-    expert pieces of its expert replica, HF shapes, HF dtypes); a collective over the trainer ranks (None
-    elsewhere). Replicas are in the order of their first ranks, trainer rank 0's first."""
+    expert pieces of each expert replica (of one ETP x EP x PP copy; none for dense models), HF shapes, HF
+    dtypes); a collective over the trainer ranks (None elsewhere). Replicas are in the order of their first
+    ranks, trainer rank 0's first."""
     own_shards = {name: (tuple(p.shape), p.dtype) for name, p in mapped_tensors(module, arch).items()}
     experts, others = local_sources(module, arch, layout)
     replica = gather_replica((layout.rank, others, own_shards), [layout.tp_group, layout.pp_group])
     expert_replica = gather_replica((layout.rank, experts, own_shards), [layout.etp_group, layout.ep_group,
                                                                          layout.pp_group]) if arch.is_moe else []
-    leads = layout.rank == min(rank for rank, _, _ in replica)
-    replicas = [pieces for pieces in collectives.all_gather_object(
-        [piece for _, pieces, _ in replica for piece in pieces] if leads else None) if pieces is not None]
+    replicas = _every_replica(replica, layout.rank)
+    expert_replicas = _every_replica(expert_replica, layout.rank) if arch.is_moe else []
     if layout.rank != 0:
         return None
-    expert = [piece for _, pieces, _ in expert_replica for piece in pieces]
     shards = {(rank, name): shard for rank, _, rank_shards in replica + expert_replica
               for name, shard in rank_shards.items()}
-    dense = replicas[0]
-    shapes = hf_shapes_from(dense + expert, {key: shape for key, (shape, _) in shards.items()})
-    dtypes = {piece.hf_name: shards[(piece.rank, piece.megatron_name)][1] for piece in dense + expert}
-    return arch, replicas, expert, shapes, dtypes
+    pieces = replicas[0] + (expert_replicas[0] if expert_replicas else [])
+    shapes = hf_shapes_from(pieces, {key: shape for key, (shape, _) in shards.items()})
+    dtypes = {piece.hf_name: shards[(piece.rank, piece.megatron_name)][1] for piece in pieces}
+    return arch, replicas, expert_replicas, shapes, dtypes
+
+
+def _every_replica(replica: list, rank: int) -> list[list]:
+    """The pieces of every replica, given this rank's (`gather_replica`), in the order of their first ranks;
+    a collective over the trainer ranks."""
+    leads = rank == min(member for member, _, _ in replica)
+    gathered = collectives.all_gather_object([piece for _, pieces, _ in replica for piece in pieces] if leads else None)
+    return [pieces for pieces in gathered if pieces is not None]
 

@@ -1,8 +1,9 @@
 """Split placement's bridge (checked by tests/distributed/test_split_sync.py): weights out, a batch in.
 
-Two DP ranks of a TP1 trainer (ranks 0, 1) train one step, so their weights differ from the checkpoint,
-and sync them to three `hf` engines on the rollout ranks (2, 3, 4): the first two fed by one trainer DP
-replica each, the third by broadcast from the first. Then the first rollout rank sends a multi-turn batch
+Two DP ranks of a TP1 trainer (ranks 0, 1) of a mixture-of-experts model train one step, so their weights
+differ from the checkpoint, and sync them to three `hf` engines on the rollout ranks (2, 3, 4): the first two
+fed by one trainer DP replica each (experts included: at EP1 each DP rank is an expert replica too), the
+third by broadcast from the first. Then the first rollout rank sends a multi-turn batch
 (3 prompts x 2 trajectories), of which trainer rank r wants the sequences WANTED[r]. Each rank writes a
 JSON report: a rollout rank its engine's weights against the HF export of the trained model and the bytes
 it received against the bytes of that export; a trainer rank the bytes it sent and the batch as it holds it.
