@@ -70,7 +70,8 @@ class BatchBridge:
             counts = torch.tensor([len(rows) for rows in wanted], dtype=torch.int64, device=self.on)
             rows = torch.tensor([i for rows in wanted for i in rows], dtype=torch.int64, device=self.on)
             for tensor in (counts, rows):
-                self.world.bridge.send([tensor], self.source, 0).wait()
+                if tensor.numel():  # as `_received` skips an empty one
+                    self.world.bridge.send([tensor], self.source, 0).wait()
         mine = wanted[self.world.rank]
         packed = self._received(torch.empty(packed_size(rollouts, mine), dtype=torch.float64))
         unpack_responses(rollouts, mine, packed)

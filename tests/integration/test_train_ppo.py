@@ -271,12 +271,15 @@ def _judged(tokenizer, model, prompt: str, response: str, ground_truth: str) -> 
     return JUDGE_CHOICES.get(tokenizer.decode(new, skip_special_tokens=True).lower()), new != [tokenizer.eos_token_id]
 
 
-def test_grpo_rewarded_by_a_judge_mixed_with_the_rule(tiny_models, arithmetic, tmp_path, monkeypatch):
-    # Two processes, each with the policy's vLLM engine and a judge's beside it: a random tiny model, whose one-token
-    # verdicts are whatever it writes; two of its favourite characters are the choices, so that some verdicts are
-    # read and others are not. Each step's rewards are recomputed here from the responses the rule function was
-    # called with: the judge's greedy verdicts by transformers, read by hand, mixed half and half with the parity the
-    # function scores; the validation is the function's alone.
+@pytest.mark.parametrize("placement", [[], ["trainer.placement=split", "rollout.num_ranks=1"]],
+                         ids=["colocated", "split"])
+def test_grpo_rewarded_by_a_judge_mixed_with_the_rule(tiny_models, arithmetic, tmp_path, monkeypatch, placement):
+    # Two processes, each with the policy's vLLM engine and a judge's beside it (split: a trainer, and a rollout rank
+    # with both engines): a random tiny model, whose one-token verdicts are whatever it writes; two of its favourite
+    # characters are the choices, so that some verdicts are read and others are not. Each step's rewards are
+    # recomputed here from the responses the rule function was called with: the judge's greedy verdicts by
+    # transformers, read by hand, mixed half and half with the parity the function scores; the validation is the
+    # function's alone.
     calls = tmp_path / "calls"
     calls.mkdir()
     monkeypatch.setenv("MEGARL_TEST_REWARD_CALLS", str(calls))
@@ -285,22 +288,25 @@ def test_grpo_rewarded_by_a_judge_mixed_with_the_rule(tiny_models, arithmetic, t
                       *_overrides(tiny_models["qwen3-tied"], arithmetic, tmp_path, f"reward.function={USER_REWARD}",
                                   f"reward.judge.path={judge}", f"reward.judge.template={JUDGE_TEMPLATE}",
                                   "reward.judge.choices={o: 1.0, d: 0.0}", "reward.judge.max_tokens=1",
-                                  "reward.judge.rule_weight=0.5", "reward.judge.max_prompt_length=48"),
+                                  "reward.judge.rule_weight=0.5", "reward.judge.max_prompt_length=48", *placement),
                       timeout=600)
     assert_succeeded(result)
     run = tmp_path / "quickstart_grpo"
     train = {row["extra_info"]["index"]: row for row in load_rows([arithmetic[0]])}
-    steps = {1: [], 2: []}  # per process: its 2 prompts x 8 samples of step 1, then of step 2
-    validations = {0: [], 2: []}  # and its 4 validation prompts before training, then after the last step
-    for file in calls.iterdir():
+    steps = {1: [], 2: []}  # per generating process: its prompts x 8 samples of step 1, then of step 2
+    validations = {0: [], 2: []}  # and its validation prompts before training, then after the last step
+    files = list(calls.iterdir())
+    assert len(files) == (1 if placement else 2)
+    per_step, per_validation = 32 // len(files), 8 // len(files)
+    for file in files:
         lines = [json.loads(line) for line in file.read_text().splitlines()]
         trained = [(index, response) for _, split, index, response in lines if split == "train"]
         validated = [response for _, split, _, response in lines if split == "test"]
-        assert len(trained) == 32 and len(validated) == 8
-        steps[1] += trained[:16]
-        steps[2] += trained[16:]
-        validations[0] += validated[:4]
-        validations[2] += validated[4:]
+        assert len(trained) == 2 * per_step and len(validated) == 2 * per_validation
+        steps[1] += trained[:per_step]
+        steps[2] += trained[per_step:]
+        validations[0] += validated[:per_validation]
+        validations[2] += validated[per_validation:]
 
     def parity(response):
         return sum(map(ord, response)) % 2
