@@ -3,8 +3,8 @@
 A step's groups (the n responses of one prompt) are numbered 0..G-1 in the step's order. The
 actor's first-epoch mini-batches (`mini_batch_groups`: seeded, the same at any DP) are each dealt
 over the DP ranks by tokens (`owned_groups`, the LPT rule). A DP rank keeps its groups whole, so
-group estimators (GRPO, RLOO) compute advantages on its share alone; `move_responses` brings the
-share's responses from where the placement made them to all TP and PP ranks of the DP rank.
+group estimators (GRPO, RLOO) compute advantages on its share alone; the placement's `StepRollouts.move`
+brings the share's responses from where it made them to all TP and PP ranks of the DP rank.
 """
 
 from __future__ import annotations
