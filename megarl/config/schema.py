@@ -59,8 +59,7 @@ class ModelConfig:
 
     layer_spec: str = "auto"
     """Transformer layer implementation, one of LAYER_SPECS; "auto" picks Transformer Engine
-    when it is importable and CUDA is present, the local (pure PyTorch) layers otherwise (only those
-    share prompts: share_prompt_forward)."""
+    when it is importable and CUDA is present, the local (pure PyTorch) layers otherwise."""
 
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-experts training settings."""
@@ -209,11 +208,11 @@ class EngineConfig:
     row holds the prompt, then each response, attending to the prompt and to itself. Same outputs and
     gradients up to float rounding, with (n-1)/n of the prompt tokens not recomputed. Decided when the
     model is built (`megarl.engine.prompt_sharing`): on for an RL run's models wherever it pays, off,
-    with a one-line notice saying why, for rollout.n = 1, mixture-of-experts models, Transformer
-    Engine's layers (whose attention takes no per-row mask: model.layer_spec=auto picks them on a GPU
-    with TE; model.layer_spec=local shares prompts there) and where attention over a group's whole row,
-    (P + nR)^2 scores for n responses of length R to a prompt of length P instead of n(P + R)^2, costs
-    more than the prompt copies it saves (long responses). SFT's examples share nothing. false: never."""
+    with a one-line notice saying why, for rollout.n = 1, mixture-of-experts models and where attention
+    over a group's whole row, (P + nR)^2 scores for n responses of length R to a prompt of length P
+    instead of n(P + R)^2, costs more than the prompt copies it saves (long responses). A model that
+    shares prompts runs RoPE unfused and, with Transformer Engine's layers, TE's unfused attention under
+    the rows' masks (instead of packed sequences). SFT's examples share nothing. false: never."""
 
 
 @dataclass

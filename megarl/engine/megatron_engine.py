@@ -5,11 +5,11 @@ DP rank pass the same share). The engine cuts it into micro-batches, runs them t
 megatron-core's pipeline schedule, and returns the share's results: scores are broadcast from the
 last pipeline stage to the other stages, never gathered over DP.
 
-On GPU with Transformer Engine, micro-batches are packed (THD): sequences are concatenated
-without padding and attention restarts at each boundary (`PackedSeqParams`). Elsewhere they are
-right-padded to the micro-batch's longest sequence, or, where the model shares prompts (on by
-default for an RL run's models wherever it pays, `megarl.engine.prompt_sharing`), laid out one row per
-distinct prompt with all its responses.
+Where the model shares prompts (on by default for an RL run's models wherever it pays,
+`megarl.engine.prompt_sharing`), micro-batches are laid out one row per distinct prompt with all its
+responses, on either layer spec. Otherwise, on GPU with Transformer Engine, they are packed (THD):
+sequences are concatenated without padding and attention restarts at each boundary
+(`PackedSeqParams`); elsewhere they are right-padded to the micro-batch's longest sequence.
 
 Losses are normalised by *global* counts (tokens or sequences of the whole mini-batch, summed over
 the DP ranks' shares), so gradients are summed, not averaged, over micro-batches and DP ranks
@@ -57,9 +57,10 @@ from megarl.engine.packing import pack, padding_mask, response_output_rows, rout
 from megarl.engine.prompt_sharing import PositionedRope, PromptGroups, share_prompts, sharing_off_reason
 from megarl.engine.router_replay import RoutingReplay
 from megarl.engine.routing_stats import RoutingStats
+from megarl.models.architecture import Architecture
 from megarl.models.builder import MoESettings, ScheduleSettings, resolve_layer_spec
 from megarl.models.hf_checkpoint import SafetensorsReader
-from megarl.models.hf_interop import load_hf_model
+from megarl.models.hf_interop import hf_architecture, load_hf_model
 from megarl.models.lora import LoRAAdapter, LoRASettings, adapters_disabled, apply_lora
 from megarl.models.peft_adapter import load_peft
 
@@ -134,11 +135,14 @@ class MegatronEngine:
             grad_scale_func=self.loss_scaling if trainable else None,
         )
         layer_spec = resolve_layer_spec(model_config.layer_spec)
+        shares_prompts = self._shares_prompts(groups, hf_architecture(self.model_path, value_head))
         self.module, self.arch = load_hf_model(
             self.model_path, layout, model_config.dtype, layer_spec,
             model_config.make_vocab_size_divisible_by, recompute_activations=config.recompute_activations,
             value_head=value_head, schedule=schedule, moe=MoESettings(**asdict(model_config.moe)),
+            shared_prompts=shares_prompts,
         )
+        self.positioned_rope = PositionedRope(self.module) if shares_prompts else None
         self.model = self.module
         self.adapters: list[LoRAAdapter] = []
         self.base_fingerprint = None
@@ -152,7 +156,6 @@ class MegatronEngine:
         if router_replay and not self.arch.is_moe:
             raise ValueError(f"actor.router_replay=true needs a mixture-of-experts model; "
                              f"{self.model_path} is dense")
-        self.positioned_rope = self._prompt_sharing(groups, self.model_path)
         self.optimizer = self.scheduler = self.routing = self.rollout_routing = None
         if trainable:
             self._make_trainable(model_config, total_optimizer_steps)
@@ -172,19 +175,15 @@ class MegatronEngine:
             load_peft(adapters, settings, lora.adapter_path)
         return adapters
 
-    def _prompt_sharing(self, groups: PromptGroups | None, model_path: str) -> PositionedRope | None:
-        """Per-token RoPE positions for the shared-prompt layout where this model shares prompts (None where
-        it does not; rank 0 logs why when `share_prompt_forward` asked for it). The layout needs an arbitrary
-        attention mask (megatron's local attention) and RoPE angles per row (its unfused RoPE)."""
+    def _shares_prompts(self, groups: PromptGroups | None, arch: Architecture) -> bool:
+        """Whether this model takes the shared-prompt layout (rank 0 logs why not when `share_prompt_forward`
+        asked for it); it is then built for it: a mask of its own for every row, RoPE angles per row."""
         if not self.config.share_prompt_forward or groups is None:
-            return None
-        off = sharing_off_reason(self.arch, "transformer_engine" if self.packed else "local", groups)
-        if off is not None:
-            if self.layout.rank == 0:
-                logging.getLogger("megarl").warning(f"prompt sharing off for {model_path}: {off}")
-            return None
-        assert not self.module.config.apply_rope_fusion
-        return PositionedRope(self.module)
+            return False
+        off = sharing_off_reason(arch, groups)
+        if off is not None and self.layout.rank == 0:
+            logging.getLogger("megarl").warning(f"prompt sharing off for {self.model_path}: {off}")
+        return off is None
 
     def _make_trainable(self, model_config: ModelConfig, total_optimizer_steps: int) -> None:
         optim = self.config.optim

@@ -16,7 +16,10 @@ the sum of its responses' contributions, added in another order). The first resp
 sequence is predicted by the shared prompt's last output row.
 
 Rows are right-padded to the longest; padding tokens attend to nothing real and nothing attends to
-them. Positions within a row differ per row, so RoPE takes per-token positions (`PositionedRope`).
+them. Positions within a row differ per row, so RoPE takes per-token positions (`PositionedRope`) and
+runs unfused. A model is built for the layout (`megarl.models.builder.build_model`'s `shared_prompts`) on
+either layer spec: megatron's local attention applies the mask it is given; Transformer Engine's is told
+the mask is arbitrary, and its micro-batches are these padded rows instead of packed sequences.
 
 Whether a model shares prompts is decided when its engine is built (`sharing_off_reason`): it is on
 by default wherever it gives the same result for less work, and off, with the reason, otherwise.
@@ -50,22 +53,20 @@ class PromptGroups:
         return cls(config.rollout.n, config.data.max_prompt_length, config.data.max_response_length)
 
 
-def sharing_off_reason(arch: Architecture, layer_spec: str, groups: PromptGroups) -> str | None:
-    """Why a model of `arch` on `layer_spec` (resolved) should not share prompts for `groups`; None: it should.
+def sharing_off_reason(arch: Architecture, groups: PromptGroups) -> str | None:
+    """Why a model of `arch` should not share prompts for `groups`; None: it should.
 
-    Sharing needs megatron's local layers (per-row masks and RoPE positions) and a dense model. It pays
-    where the linear layers dominate: a group's row of P + nR tokens replaces n rows of P + R, but
-    megatron's local attention scores the whole (P + nR)^2 square, against n (P + R)^2 separately.
-    Long responses tip it (and the square is also the attention's memory): the forward's
+    Sharing needs a dense model (megatron's MoE layers route tokens of one row as one sequence's). It pays
+    where the linear layers dominate: a group's row of P + nR tokens replaces n rows of P + R, but its
+    attention scores the whole (P + nR)^2 square under the row's mask (megatron's local attention, or
+    Transformer Engine's unfused one, the backend TE takes for a mask of any shape), against n (P + R)^2
+    separately. Long responses tip it (and the square is also the attention's memory): the forward's
     multiply-adds at the longest prompts and responses decide."""
     n, prompt, response = groups.samples, groups.max_prompt_length, groups.max_response_length
     if n < 2:
         return f"rollout.n = {n}: no prompt repeats"
     if arch.is_moe:
         return "mixture-of-experts models do not share prompts"
-    if layer_spec != "local":
-        return ("Transformer Engine's attention takes no per-row mask (model.layer_spec=local shares prompts, "
-                "without TE's kernels)")
     shared, separate = _forward_cost(arch, prompt + n * response, 1), _forward_cost(arch, prompt + response, n)
     if shared >= separate:
         return (f"attention over one row of {prompt} + {n} x {response} tokens per prompt costs more than its "

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megarl import device
 from megarl.distributed.layout import ParallelLayout
@@ -110,7 +112,7 @@ def moe_transformer_fields(arch: Architecture, layout: ParallelLayout, moe: MoES
 
 def resolve_layer_spec(layer_spec: str) -> str:
     """"auto" -> Transformer Engine where `megarl.device` says it is usable, megatron's local layers
-    elsewhere (only those share prompts: `megarl.engine.prompt_sharing`)."""
+    elsewhere."""
     if layer_spec not in LAYER_SPECS:
         raise ValueError(f"model.layer_spec={layer_spec!r}; allowed: {', '.join(LAYER_SPECS)}")
     if layer_spec == "auto":
@@ -126,8 +128,9 @@ def fused_kernels(layer_spec: str, tp: int, is_moe: bool = False, rope_fusable: 
     - SwiGLU and bias-dropout-add fusions: megatron's own jit-fused functions, on CUDA;
     - RoPE fusion: Transformer Engine's kernels (BSHD and THD), with TE's layers; unfused RoPE on
       packed THD micro-batches syncs with the host in every layer. The local layers keep megatron's
-      unfused RoPE on every device, which takes per-row positions (`share_prompt_forward`). Not
-      `rope_fusable`: multi-latent attention without YaRN, whose RoPE megatron-core does not fuse;
+      unfused RoPE on every device. Not `rope_fusable`: multi-latent attention without YaRN, whose
+      RoPE megatron-core does not fuse, and a model that shares prompts, whose RoPE takes per-row
+      positions (`share_prompt_forward`), which TE's fused kernels do not;
     - gradient-accumulation fusion: TE's layers accumulate weight gradients straight into the
       fp32 `main_grad` buffers; megatron's own output layer then needs Apex's extension for it
       (`device.gradient_accumulation_fusion`), without which megatron refuses to build the model;
@@ -148,6 +151,14 @@ def fused_kernels(layer_spec: str, tp: int, is_moe: bool = False, rope_fusable: 
     }
 
 
+def attend_under_given_masks(spec: TransformerBlockSubmodules) -> None:
+    """Every layer's self-attention applies the mask each forward is given ("arbitrary") instead of its own
+    causal one. megatron's local attention already applies a given mask; Transformer Engine's attention
+    needs to be told, and then takes a (b, 1, s, s) boolean mask, True where a query may not look."""
+    for layer in spec.layer_specs:
+        layer.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.arbitrary
+
+
 def latent_attention_fields(arch: Architecture) -> dict:
     """The MLATransformerConfig fields of multi-latent attention (YaRN's too: MLA applies its RoPE)."""
     mla, yarn = arch.mla, arch.yarn
@@ -166,6 +177,7 @@ def latent_attention_fields(arch: Architecture) -> dict:
 def transformer_config(
     arch: Architecture, layout: ParallelLayout, dtype: str, recompute_activations: bool = False,
     schedule: ScheduleSettings = ScheduleSettings(), layer_spec: str = "local", moe: MoESettings = MoESettings(),
+    shared_prompts: bool = False,
 ) -> TransformerConfig:
     params_dtype = TORCH_DTYPES[dtype]
     config_class, attention_fields = TransformerConfig, {}
@@ -205,7 +217,8 @@ def transformer_config(
         use_cpu_initialization=not device.cuda(),
         masked_softmax_fusion=False,
         persist_layer_norm=False,
-        **fused_kernels(layer_spec, layout.tp, arch.is_moe, rope_fusable=arch.mla is None or arch.yarn is not None),
+        **fused_kernels(layer_spec, layout.tp, arch.is_moe,
+                        rope_fusable=(arch.mla is None or arch.yarn is not None) and not shared_prompts),
         **vars(schedule),
         **moe_transformer_fields(arch, layout, moe, layer_spec),
         **attention_fields,
@@ -221,17 +234,22 @@ def build_model(
     recompute_activations: bool = False,
     schedule: ScheduleSettings = ScheduleSettings(),
     moe: MoESettings = MoESettings(),
+    shared_prompts: bool = False,
 ) -> GPTModel:
     """The stage of `arch` that this rank holds: its layers, embedding on the first stage, and the
-    output layer (or value head for value models) on the last stage."""
+    output layer (or value head for value models) on the last stage. `shared_prompts`: the model takes
+    the shared-prompt layout (`megarl.engine.prompt_sharing`): an attention mask of its own for every row,
+    RoPE unfused (positions per row), on either layer spec."""
     check_layout_fits(arch, layout.tp, layout.pp, layout.ep)
     layer_spec = resolve_layer_spec(layer_spec)
-    config = transformer_config(arch, layout, dtype, recompute_activations, schedule, layer_spec, moe)
+    config = transformer_config(arch, layout, dtype, recompute_activations, schedule, layer_spec, moe, shared_prompts)
     # Each layer's spec from the config: MLA or not, dense or MoE (`moe_layer_freq`), this stage's layers.
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=layer_spec == "transformer_engine",
                                       normalization="RMSNorm", pp_rank=layout.pp_rank)
     if arch.mla and layer_spec == "local":
         local_mla_spec(spec)
+    if shared_prompts:
+        attend_under_given_masks(spec)
     model_class = GPTValueModel if arch.value_model else GPTModel
     model = model_class(
         config=config,

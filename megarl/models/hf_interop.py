@@ -55,22 +55,29 @@ def load_hf_model(
     value_head: bool = False,
     schedule: ScheduleSettings = ScheduleSettings(),
     moe: MoESettings = MoESettings(),
+    shared_prompts: bool = False,
 ) -> tuple[torch.nn.Module, Architecture]:
-    """Build this rank's stage of the HF model in `model_dir` and load its weights.
-
-    With `value_head`, a causal LM checkpoint becomes a value model: its backbone is loaded and a
-    new, zero-initialised value head replaces the LM head (the usual way to start a critic)."""
-    arch = architecture_from_hf(read_hf_config(model_dir), source=f"{model_dir}/config.json")
+    """Build this rank's stage of the HF model in `model_dir` and load its weights (`hf_architecture`'s
+    `value_head`; `shared_prompts`: built for the shared-prompt layout, `build_model`)."""
+    arch = hf_architecture(model_dir, value_head)
     if arch.mtp_layers and dist.get_rank() == 0:
         first = arch.num_layers
         logger.warning(f"{model_dir}: multi-token-prediction layers model.layers.{first}..{first + arch.mtp_layers - 1}"
                        " not loaded (they serve speculative decoding; RL trains the next-token policy)")
-    if value_head and not arch.value_model:
-        arch = dataclasses.replace(arch, value_model=True, tie_word_embeddings=False)
     model = build_model(arch, layout, dtype, layer_spec, make_vocab_size_divisible_by, recompute_activations, schedule,
-                        moe)
+                        moe, shared_prompts)
     load_hf_weights(model, arch, layout, model_dir)
     return model, arch
+
+
+def hf_architecture(model_dir: str, value_head: bool = False) -> Architecture:
+    """The architecture of the HF model in `model_dir`. With `value_head`, a causal LM checkpoint becomes a
+    value model: its backbone is loaded and a new, zero-initialised value head replaces the LM head (the usual
+    way to start a critic)."""
+    arch = architecture_from_hf(read_hf_config(model_dir), source=f"{model_dir}/config.json")
+    if value_head and not arch.value_model:
+        arch = dataclasses.replace(arch, value_model=True, tie_word_embeddings=False)
+    return arch
 
 
 @torch.no_grad()

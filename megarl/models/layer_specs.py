@@ -5,5 +5,4 @@ reverse); `megarl.models.builder.resolve_layer_spec` turns "auto" into one of th
 """
 
 LAYER_SPECS = ("auto", "local", "transformer_engine")
-"""auto: Transformer Engine where `megarl.device` says it is usable, megatron-core's local layers elsewhere
-(and for a model that shares prompts)."""
+"""auto: Transformer Engine where `megarl.device` says it is usable, megatron-core's local layers elsewhere."""

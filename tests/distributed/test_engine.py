@@ -5,7 +5,8 @@ At every layout: log-probs and entropy (temperature 0.7) and critic values equal
 (<= 1e-5). PP2 and DP2 use token-budget micro-batches and TP2 recomputes activations; neither may
 change the update. TP2xPP2 builds its engines for prompt groups, so they run each prompt once for the
 sequences that share it (`share_prompt_forward`; the batch holds two prompts sampled twice): the same
-outputs and step; the other layouts' engines, built without groups, do not share.
+outputs and step, their attention layers applying the masks each forward gives them; the other layouts'
+engines, built without groups, do not share, and their attention masks causally on its own.
 DP2 reduces gradients in buckets while backward runs (`overlap_grad_reduce`), also at a step with fewer
 token-budget micro-batches than the steps before it, and trains a bf16 copy of the policy for a few steps beside
 the fp32 one.
@@ -94,7 +95,9 @@ def layout_run(tiny_models, tmp_path_factory):
 def test_layout_matches_transformers_and_tp1_step(baseline, layout_run, layout):
     base_report, base_weights = baseline
     report, weights = layout_run(layout)
-    assert report["shares_prompts"] == [layout == "tp2pp2"] * 2
+    shares = layout == "tp2pp2"
+    assert report["shares_prompts"] == [shares] * 2
+    assert report["attention_masks"] == [["arbitrary" if shares else "causal"]] * 2
     assert report["logprob_entropy_diff"] <= 1e-4 and report["value_diff"] <= 1e-4
     assert report["kept_outputs_vs_score"] <= 1e-5
     assert report["loss"] == pytest.approx(base_report["loss"], abs=1e-5)

@@ -11,6 +11,7 @@ import json
 
 import torch
 import torch.distributed as dist
+from megatron.core.transformer.attention import SelfAttention
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from megarl.config.schema import EngineConfig, ModelConfig, OptimizerConfig
@@ -90,6 +91,10 @@ policy = MegatronEngine(layout, ModelConfig(path=args.policy, dtype=args.dtype),
 scores = policy.score(batch, temperature=TEMPERATURE)
 critic = MegatronEngine(layout, ModelConfig(path=args.value, dtype=args.dtype), engine_config, groups=groups)
 report["shares_prompts"] = [engine.positioned_rope is not None for engine in (policy, critic)]
+# causal: the self-attention layers mask on their own; arbitrary: they apply the mask each forward gives them.
+report["attention_masks"] = [sorted({module.attn_mask_type.name for module in engine.module.modules()
+                                     if isinstance(module, SelfAttention)}) for engine in (policy, critic)]
+report["rope_fusion"] = [engine.module.config.apply_rope_fusion for engine in (policy, critic)]
 values = critic.score(batch)
 report["logprob_entropy_diff"] = max_diff(scores, hf_response_outputs(args.policy, False))
 try:  # router replay needs a mixture-of-experts model

@@ -5,7 +5,8 @@ A one-head causal attention model (float64, position embeddings, an attention ma
 megatron's; the reference runs each sequence alone with a plain causal mask.
 
 Whether a model shares prompts: on for the quick start's groups, off (with the reason) where nothing
-repeats, for mixture-of-experts models, Transformer Engine's layers and long responses.
+repeats, for mixture-of-experts models and long responses. A model built to share them attends under the
+mask each forward gives it, on either layer spec, with RoPE unfused.
 """
 
 from __future__ import annotations
@@ -110,17 +111,16 @@ def test_quick_start_groups_share_and_long_responses_do_not():
     8 x (24 x 196,608 + 24^2 x 256) = 38.9M: shared. Of 1,024 tokens: 8,208 x 196,608 + 8,208^2 x 256
     = 18.9G against 8 x (1,040 x 196,608 + 1,040^2 x 256) = 3.85G: the square of the shared row loses
     (4.9x; the output layer, 128 x 101 a token, is small beside them)."""
-    assert sharing_off_reason(QUICK_START, "local", PromptGroups(8, 16, 8)) is None
-    reason = sharing_off_reason(QUICK_START, "local", PromptGroups(8, 16, 1024))
+    assert sharing_off_reason(QUICK_START, PromptGroups(8, 16, 8)) is None
+    reason = sharing_off_reason(QUICK_START, PromptGroups(8, 16, 1024))
     assert reason.startswith("attention over one row of 16 + 8 x 1024 tokens per prompt costs more")
     assert "(4.8" in reason
 
 
-@pytest.mark.parametrize(("arch", "layer_spec", "samples", "reason"), [
-    (QUICK_START, "local", 1, "rollout.n = 1: no prompt repeats"),
-    (dataclasses.replace(QUICK_START, num_experts=4, moe_topk=2, moe_ffn_hidden_size=64), "local", 8,
+@pytest.mark.parametrize(("arch", "samples", "reason"), [
+    (QUICK_START, 1, "rollout.n = 1: no prompt repeats"),
+    (dataclasses.replace(QUICK_START, num_experts=4, moe_topk=2, moe_ffn_hidden_size=64), 8,
      "mixture-of-experts models do not share prompts"),
-    (QUICK_START, "transformer_engine", 8, "Transformer Engine's attention takes no per-row mask"),
-], ids=["one-sample", "moe", "te-layers"])
-def test_sharing_is_off_where_it_cannot_pay_or_run(arch, layer_spec, samples, reason):
-    assert sharing_off_reason(arch, layer_spec, PromptGroups(samples, 16, 8)).startswith(reason)
+], ids=["one-sample", "moe"])
+def test_sharing_is_off_where_it_cannot_pay_or_run(arch, samples, reason):
+    assert sharing_off_reason(arch, PromptGroups(samples, 16, 8)).startswith(reason)
