@@ -212,7 +212,10 @@ class EngineConfig:
     over a group's whole row, (P + nR)^2 scores for n responses of length R to a prompt of length P
     instead of n(P + R)^2, costs more than the prompt copies it saves (long responses). A model that
     shares prompts runs RoPE unfused and, with Transformer Engine's layers, TE's unfused attention under
-    the rows' masks (instead of packed sequences). SFT's examples share nothing. false: never."""
+    the rows' masks (instead of packed sequences), which keeps a row's W^2 probabilities per head for
+    backward: there sharing is also off for rows wider than 17 x hidden / heads tokens (2,176 at head
+    dim 128), whose probabilities would outweigh the rest of a layer's activations. SFT's examples share
+    nothing. false: never."""
 
 
 @dataclass

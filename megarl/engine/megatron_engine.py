@@ -26,6 +26,7 @@ measures how often its own routing agrees (`megarl.engine.router_replay`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from functools import partial
 import logging
@@ -135,7 +136,7 @@ class MegatronEngine:
             grad_scale_func=self.loss_scaling if trainable else None,
         )
         layer_spec = resolve_layer_spec(model_config.layer_spec)
-        shares_prompts = self._shares_prompts(groups, hf_architecture(self.model_path, value_head))
+        shares_prompts = self._shares_prompts(groups, hf_architecture(self.model_path, value_head), layer_spec)
         self.module, self.arch = load_hf_model(
             self.model_path, layout, model_config.dtype, layer_spec,
             model_config.make_vocab_size_divisible_by, recompute_activations=config.recompute_activations,
@@ -153,6 +154,9 @@ class MegatronEngine:
         self.packed = layer_spec == "transformer_engine"
         # Sequence parallelism splits each micro-batch's tokens over the TP ranks.
         self.sequence_multiple = layout.tp if self.module.config.sequence_parallel else 1
+        # TE's fused masked softmax takes rows of a multiple of 8 tokens (else its unfused one: the same values in
+        # about three times the memory).
+        self.shared_row_multiple = math.lcm(self.sequence_multiple, 8) if self.packed else self.sequence_multiple
         if router_replay and not self.arch.is_moe:
             raise ValueError(f"actor.router_replay=true needs a mixture-of-experts model; "
                              f"{self.model_path} is dense")
@@ -175,12 +179,12 @@ class MegatronEngine:
             load_peft(adapters, settings, lora.adapter_path)
         return adapters
 
-    def _shares_prompts(self, groups: PromptGroups | None, arch: Architecture) -> bool:
+    def _shares_prompts(self, groups: PromptGroups | None, arch: Architecture, layer_spec: str) -> bool:
         """Whether this model takes the shared-prompt layout (rank 0 logs why not when `share_prompt_forward`
         asked for it); it is then built for it: a mask of its own for every row, RoPE angles per row."""
         if not self.config.share_prompt_forward or groups is None:
             return False
-        off = sharing_off_reason(arch, groups)
+        off = sharing_off_reason(arch, layer_spec, groups)
         if off is not None and self.layout.rank == 0:
             logging.getLogger("megarl").warning(f"prompt sharing off for {self.model_path}: {off}")
         return off is None
@@ -306,7 +310,7 @@ class MegatronEngine:
         sequence; or one row per distinct prompt with its responses (`share_prompt_forward`)."""
         compute = device.compute_device()
         if self.positioned_rope is not None:
-            shared = share_prompts(micro_batch, self.sequence_multiple)
+            shared = share_prompts(micro_batch, self.shared_row_multiple)
             return ModelInput(shared.tokens_gW.to(compute), shared.positions_gW.to(compute), shared.output_rows,
                               attention_mask=shared.blocked_g1WW.to(compute))
         if not self.packed:

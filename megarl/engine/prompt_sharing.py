@@ -53,21 +53,29 @@ class PromptGroups:
         return cls(config.rollout.n, config.data.max_prompt_length, config.data.max_response_length)
 
 
-def sharing_off_reason(arch: Architecture, groups: PromptGroups) -> str | None:
-    """Why a model of `arch` should not share prompts for `groups`; None: it should.
+def sharing_off_reason(arch: Architecture, layer_spec: str, groups: PromptGroups) -> str | None:
+    """Why a model of `arch` on `layer_spec` (resolved) should not share prompts for `groups`; None: it should.
 
     Sharing needs a dense model (megatron's MoE layers route tokens of one row as one sequence's). It pays
     where the linear layers dominate: a group's row of P + nR tokens replaces n rows of P + R, but its
-    attention scores the whole (P + nR)^2 square under the row's mask (megatron's local attention, or
-    Transformer Engine's unfused one, the backend TE takes for a mask of any shape), against n (P + R)^2
-    separately. Long responses tip it (and the square is also the attention's memory): the forward's
-    multiply-adds at the longest prompts and responses decide."""
+    attention scores the whole (P + nR)^2 square under the row's mask, against n (P + R)^2 separately.
+    Long responses tip it: the forward's multiply-adds at the longest prompts and responses decide.
+
+    On Transformer Engine's layers the mask takes TE's unfused attention, which keeps each row's W^2
+    probabilities per head for backward, where the packed sequences' flash attention keeps none: sharing
+    stays off where that exceeds what the rest of the layer keeps per token (2 bytes x heads x W against
+    34 bytes x hidden, Korthikanti et al., 2022), W > 17 x hidden / heads (2,176 tokens at head dim 128)."""
     n, prompt, response = groups.samples, groups.max_prompt_length, groups.max_response_length
     if n < 2:
         return f"rollout.n = {n}: no prompt repeats"
     if arch.is_moe:
         return "mixture-of-experts models do not share prompts"
-    shared, separate = _forward_cost(arch, prompt + n * response, 1), _forward_cost(arch, prompt + response, n)
+    width = prompt + n * response
+    if layer_spec == "transformer_engine" and 2 * arch.num_attention_heads * width > 34 * arch.hidden_size:
+        return (f"Transformer Engine's unfused attention would keep the {width}^2 probabilities per head of a row of "
+                f"{prompt} + {n} x {response} tokens for backward, more than the rest of the layer's activations "
+                f"(its packed sequences keep none)")
+    shared, separate = _forward_cost(arch, width, 1), _forward_cost(arch, prompt + response, n)
     if shared >= separate:
         return (f"attention over one row of {prompt} + {n} x {response} tokens per prompt costs more than its "
                 f"{n - 1} prompt copies ({shared / separate:.2f}x the multiply-adds of separate rows)")

@@ -5,8 +5,8 @@ A one-head causal attention model (float64, position embeddings, an attention ma
 megatron's; the reference runs each sequence alone with a plain causal mask.
 
 Whether a model shares prompts: on for the quick start's groups, off (with the reason) where nothing
-repeats, for mixture-of-experts models and long responses. A model built to share them attends under the
-mask each forward gives it, on either layer spec, with RoPE unfused.
+repeats, for mixture-of-experts models and long responses, and on Transformer Engine's layers for rows whose
+attention probabilities outweigh the rest of a layer's activations.
 """
 
 from __future__ import annotations
@@ -111,16 +111,28 @@ def test_quick_start_groups_share_and_long_responses_do_not():
     8 x (24 x 196,608 + 24^2 x 256) = 38.9M: shared. Of 1,024 tokens: 8,208 x 196,608 + 8,208^2 x 256
     = 18.9G against 8 x (1,040 x 196,608 + 1,040^2 x 256) = 3.85G: the square of the shared row loses
     (4.9x; the output layer, 128 x 101 a token, is small beside them)."""
-    assert sharing_off_reason(QUICK_START, PromptGroups(8, 16, 8)) is None
-    reason = sharing_off_reason(QUICK_START, PromptGroups(8, 16, 1024))
+    assert sharing_off_reason(QUICK_START, "local", PromptGroups(8, 16, 8)) is None
+    reason = sharing_off_reason(QUICK_START, "local", PromptGroups(8, 16, 1024))
     assert reason.startswith("attention over one row of 16 + 8 x 1024 tokens per prompt costs more")
     assert "(4.8" in reason
 
 
-@pytest.mark.parametrize(("arch", "samples", "reason"), [
-    (QUICK_START, 1, "rollout.n = 1: no prompt repeats"),
-    (dataclasses.replace(QUICK_START, num_experts=4, moe_topk=2, moe_ffn_hidden_size=64), 8,
+@pytest.mark.parametrize(("arch", "layer_spec", "samples", "reason"), [
+    (QUICK_START, "local", 1, "rollout.n = 1: no prompt repeats"),
+    (dataclasses.replace(QUICK_START, num_experts=4, moe_topk=2, moe_ffn_hidden_size=64), "local", 8,
      "mixture-of-experts models do not share prompts"),
 ], ids=["one-sample", "moe"])
-def test_sharing_is_off_where_it_cannot_pay_or_run(arch, samples, reason):
-    assert sharing_off_reason(arch, PromptGroups(samples, 16, 8)).startswith(reason)
+def test_sharing_is_off_where_it_cannot_pay_or_run(arch, layer_spec, samples, reason):
+    assert sharing_off_reason(arch, layer_spec, PromptGroups(samples, 16, 8)).startswith(reason)
+
+
+def test_transformer_engine_layers_share_rows_whose_probabilities_do_not_outweigh_the_layer():
+    """TE's unfused attention keeps 2 bytes x 4 heads x W per token of a row, the rest of the layer 34 x 128 = 4,352
+    bytes: rows of up to 544 tokens share. A long prompt with short answers, where the multiply-adds favour sharing
+    by far (one row of 528 tokens against 8 of 472): 464 + 8 x 8 = 528 shares on TE too; 512 + 8 x 8 = 576 only on
+    the local layers, whose separate rows keep their squares as well."""
+    assert sharing_off_reason(QUICK_START, "transformer_engine", PromptGroups(8, 16, 8)) is None
+    assert sharing_off_reason(QUICK_START, "transformer_engine", PromptGroups(8, 464, 8)) is None
+    reason = sharing_off_reason(QUICK_START, "transformer_engine", PromptGroups(8, 512, 8))
+    assert reason.startswith("Transformer Engine's unfused attention would keep the 576^2 probabilities per head")
+    assert sharing_off_reason(QUICK_START, "local", PromptGroups(8, 512, 8)) is None
