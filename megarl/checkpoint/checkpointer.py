@@ -4,6 +4,8 @@
       actor/, critic/         megatron-core dist checkpoints (model + optimizer): layout-independent,
                               so a run saved at TP2xPP1 resumes at TP1xPP2
       trainer_state.json      step, sampler position, LR schedulers, KL coefficient, mlflow run id
+      placement.pt            what the placement resumes from (split placement: the batches generated ahead, or the
+                              responses in flight; plain values, loaded with weights_only), rank 0's alone
       rng/rank_<r>.pt         every rank's RNG states (tensors and ints; loaded with weights_only)
       hf/                     the model's config.json and tokenizer, for the conversion tools
       manifest.json           written last (see `directory`)
@@ -161,8 +163,9 @@ class Checkpointer:
             complete = [path for path in complete if step_of(path) < step_of(published)]
         return complete[-1] if complete else None
 
-    def save(self, step: int, engines: dict, trainer_state: dict) -> None:
-        """Collective: every rank saves its shards, then rank 0 publishes the checkpoint.
+    def save(self, step: int, engines: dict, trainer_state: dict, placement_state: dict | None = None) -> None:
+        """Collective: every rank saves its shards, then rank 0 publishes the checkpoint (with `placement_state`,
+        which only rank 0's is written).
 
         With `async_save`, shards are written by background processes while training goes on and
         the checkpoint is published when they finish (checked at every `poll`); only one save is
@@ -180,10 +183,11 @@ class Checkpointer:
         requests = [dist_checkpointing.save(sharded_state(engine, is_loading=False), str(staging / name),
                                             async_sharded_save=self.async_save)
                     for name, engine in engines.items()]
+        placement_state = placement_state or {}
         if not self.async_save:
-            return self._publish(state)
+            return self._publish(state, placement_state)
         request = one_after_another(requests)
-        request.add_finalize_fn(lambda: self._publish(state))
+        request.add_finalize_fn(lambda: self._publish(state, placement_state))
         self.queue.schedule_async_request(request)
 
     def poll(self) -> None:
@@ -196,9 +200,10 @@ class Checkpointer:
         if self.async_save:
             self.queue.maybe_finalize_async_calls(blocking=True)
 
-    def _publish(self, state: dict) -> None:
+    def _publish(self, state: dict, placement_state: dict) -> None:
         def write_files(staging: Path) -> None:
             (staging / "trainer_state.json").write_text(json.dumps(state, indent=1))
+            torch.save(placement_state, staging / "placement.pt")
             shutil.copy(self.config_file, staging / "config.yaml")
 
         finish(self.root, state["step"], self.hf_source, write_files)
@@ -207,8 +212,10 @@ class Checkpointer:
 
     @torch.no_grad()
     def load(self, directory: Path, engines: dict) -> dict:
-        """Collective: restore models, optimizers, schedulers and RNGs; returns the trainer state."""
+        """Collective: restore models, optimizers, schedulers and RNGs; returns the trainer state, with the placement's
+        under "placement" on rank 0 ({} on the others)."""
         state = json.loads((directory / "trainer_state.json").read_text())
+        state["placement"] = torch.load(directory / "placement.pt", weights_only=True) if dist.get_rank() == 0 else {}
         for name, engine in engines.items():
             if not (directory / name).is_dir():
                 raise CheckpointError(f"{directory}: has no {name!r} state; it holds {sorted(state['schedulers'])}")

@@ -68,6 +68,21 @@ class SplitWorld:
         self.bridge.broadcast(data, root).wait()
         return value if self.rank == root else pickle.loads(data.cpu().numpy().tobytes())
 
+    def send_object(self, value, dst: int) -> None:
+        """`value` to global rank `dst` alone (pickled), which takes it with `recv_object`."""
+        payload = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device.compute_device())
+        self.bridge.send([torch.tensor([payload.numel()], dtype=torch.int64, device=payload.device)], dst, 0).wait()
+        self.bridge.send([payload], dst, 0).wait()
+
+    def recv_object(self, src: int):
+        """What global rank `src` sends with `send_object`."""
+        on = device.compute_device()
+        size = torch.empty(1, dtype=torch.int64, device=on)
+        self.bridge.recv([size], src, 0).wait()
+        data = torch.empty(int(size), dtype=torch.uint8, device=on)
+        self.bridge.recv([data], src, 0).wait()
+        return pickle.loads(data.cpu().numpy().tobytes())
+
 
 def join_split_world(num_rollout_ranks: int) -> SplitWorld:
     """Join torchrun's world as a trainer or a rollout rank (the last `num_rollout_ranks`)."""

@@ -43,7 +43,8 @@ class Placement(ABC):
     @abstractmethod
     def start(self, start_step: int, sampler_state: dict, saved: dict) -> None:
         """The run starts at `start_step`, with the training sampler at `sampler_state` and this placement's
-        `checkpoint_state()` of the checkpoint resumed (empty on a fresh start)."""
+        `checkpoint_state()` of the checkpoint resumed (rank 0's, which the checkpoint holds: empty on the other
+        ranks and on a fresh start)."""
 
     @abstractmethod
     def rollouts(self, step: int, timer: PhaseTimer) -> StepRollouts:
@@ -55,7 +56,8 @@ class Placement(ABC):
 
     @abstractmethod
     def checkpoint_state(self) -> dict:
-        """What a checkpoint of this step must hold for `start` to resume the placement exactly."""
+        """What a checkpoint of this step must hold for `start` to resume the placement exactly (rank 0's is
+        written, `placement.pt`)."""
 
     @abstractmethod
     def shutdown(self) -> None:

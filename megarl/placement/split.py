@@ -10,7 +10,7 @@ operations (`megarl.distributed.split_world`) meet in one order:
     receive B_s                              send B_s
     train on B_s                             generate ahead, up to B_(s+k), with version s-1
     [validate: sync to s, receive metrics]   [sync to s, validate, send metrics]
-    [save: receive the queue, checkpoint]    [send the queue]
+    [save: receive the queue, checkpoint]    [send the queue (first rollout rank -> trainer rank 0)]
 
 so B_j is generated with version max(0, j-1-k) or newer, and no trained-on sample is more than k
 versions old (k=0: synchronous, the colocated run's batches; k=1: one-step off-policy). Syncs
@@ -98,8 +98,9 @@ class SplitPlacement(Placement):
         return self.world.broadcast_object(None, root=self.world.first_rollout_rank)
 
     def checkpoint_state(self) -> dict:
-        """The batches generated but not yet trained on (partial rollouts: the responses in flight too)."""
-        return self.world.broadcast_object(None, root=self.world.first_rollout_rank)
+        """The batches generated but not yet trained on (partial rollouts: the responses in flight too), sent to
+        trainer rank 0 alone, which writes the checkpoint's own files ({} on the other trainer ranks)."""
+        return self.world.recv_object(self.world.first_rollout_rank) if self.world.rank == 0 else {}
 
     def shutdown(self) -> None:
         pass  # the rollout ranks own the engines
@@ -183,8 +184,10 @@ class RolloutWorker:
             if self.val_data is not None and (step == trainer.total_steps or
                                               (trainer.test_freq and step % trainer.test_freq == 0)):
                 self._validate(step)
-            if trainer.save_freq and (step % trainer.save_freq == 0 or step == trainer.total_steps):
-                self._send(self.batches.state_dict())
+            if trainer.save_freq and (step % trainer.save_freq == 0 or step == trainer.total_steps) and \
+                    self.world.rank == self.world.first_rollout_rank:
+                with self._idle():
+                    self.world.send_object(self.batches.state_dict(), 0)
         self.engine.shutdown()
 
     @contextlib.contextmanager
@@ -205,11 +208,6 @@ class RolloutWorker:
         yield
         self.idle_seconds += time.perf_counter() - start
 
-    def _send(self, value) -> None:
-        """Small state to every rank whole: validation metrics, what a checkpoint holds."""
-        with self._idle():
-            self.world.broadcast_object(value, root=self.world.first_rollout_rank)
-
     def _stamped(self, payload: dict) -> dict:
         """The batch as sent, with how the rollout ranks spent the time since the previous one."""
         payload = {**payload, "generate_seconds": self.generate_seconds, "idle_seconds": self.idle_seconds,
@@ -221,7 +219,9 @@ class RolloutWorker:
     def _validate(self, step: int) -> None:
         self._sync_to(step)
         rollouts = self.collector.validation(self.engine, self.val_data)
-        self._send(validation_metrics(rollouts, self.config.rollout.val_n))
+        with self._idle():
+            self.world.broadcast_object(validation_metrics(rollouts, self.config.rollout.val_n),
+                                        root=self.world.first_rollout_rank)
 
 
 class QueuedBatches:

@@ -167,7 +167,7 @@ class RLTrainer:
                 self.tracker.flush()  # the store holds every step the checkpoint resumes after
                 self.checkpointer.save(step, self._trainable(), {
                     "sampler": self.sampler.state_dict(), "kl_coef": self.kl_ctrl.value,
-                    "mlflow_run_id": self.tracker.run_id, "placement": self.placement.checkpoint_state()})
+                    "mlflow_run_id": self.tracker.run_id}, self.placement.checkpoint_state())
         self.checkpointer.wait()
         if self.layout.rank == 0:
             self.tracker.log_artifact(plot_curves(self.tracker.history, self.run_dir / "curves.png"))

@@ -24,7 +24,6 @@ weights exactly as the uninterrupted run did.
 from __future__ import annotations
 
 import io
-import json
 import re
 import shutil
 from dataclasses import dataclass
@@ -230,8 +229,8 @@ def test_a_job_killed_twice_resumes_bitwise(models, arithmetic, tmp_path, uninte
         assert 0 < loaded < TOTAL_STEPS, f"nothing to resume from, or nothing left to train ({loaded})"
         trained |= {step: batch for step, batch in launch.trained_batches().items() if step <= loaded}
         if name == "grpo_split_partial":  # the checkpoint resumed holds trajectories half generated
-            state = json.loads((checkpoints / f"global_step_{loaded}/trainer_state.json").read_text())
-            in_flight = [r for group in state["placement"]["rollout_partial"]["in_flight"] for r in group["responses"]]
+            state = torch.load(checkpoints / f"global_step_{loaded}/placement.pt", weights_only=True)
+            in_flight = [r for group in state["rollout_partial"]["in_flight"] for r in group["responses"]]
             assert any(r["ids"] and r["finish_reason"] is None for r in in_flight), in_flight
             assert any(r["turn"]["num_turns"] and r["finish_reason"] is None for r in in_flight)  # to replay
         launch = Launch(tmp_path, args)
