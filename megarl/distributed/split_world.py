@@ -60,19 +60,19 @@ class SplitWorld:
     def broadcast_object(self, value, root: int):
         """`value` of global rank `root` on every rank of the world (pickled; for small state only)."""
         on = device.compute_device()
-        payload = pickle.dumps(value) if self.rank == root else b""
-        size = torch.tensor([len(payload)], dtype=torch.int64, device=on)
+        data = _pickled(value, on) if self.rank == root else None
+        size = torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64, device=on)
         self.bridge.broadcast(size, root).wait()
-        data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(on) if self.rank == root
-                else torch.empty(int(size), dtype=torch.uint8, device=on))
+        if data is None:
+            data = torch.empty(int(size), dtype=torch.uint8, device=on)
         self.bridge.broadcast(data, root).wait()
-        return value if self.rank == root else pickle.loads(data.cpu().numpy().tobytes())
+        return value if self.rank == root else _unpickled(data)
 
     def send_object(self, value, dst: int) -> None:
         """`value` to global rank `dst` alone (pickled), which takes it with `recv_object`."""
-        payload = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device.compute_device())
-        self.bridge.send([torch.tensor([payload.numel()], dtype=torch.int64, device=payload.device)], dst, 0).wait()
-        self.bridge.send([payload], dst, 0).wait()
+        data = _pickled(value, device.compute_device())
+        self.bridge.send([torch.tensor([data.numel()], dtype=torch.int64, device=data.device)], dst, 0).wait()
+        self.bridge.send([data], dst, 0).wait()
 
     def recv_object(self, src: int):
         """What global rank `src` sends with `send_object`."""
@@ -81,7 +81,16 @@ class SplitWorld:
         self.bridge.recv([size], src, 0).wait()
         data = torch.empty(int(size), dtype=torch.uint8, device=on)
         self.bridge.recv([data], src, 0).wait()
-        return pickle.loads(data.cpu().numpy().tobytes())
+        return _unpickled(data)
+
+
+def _pickled(value, on: torch.device) -> torch.Tensor:
+    """`value` pickled into a uint8 tensor on `on` (the bridge's backend takes that device's tensors)."""
+    return torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(on)
+
+
+def _unpickled(data: torch.Tensor):
+    return pickle.loads(data.cpu().numpy().tobytes())
 
 
 def join_split_world(num_rollout_ranks: int) -> SplitWorld:

@@ -53,7 +53,7 @@ from megarl.engine.batching import (
     recut_micro_batches,
     token_imbalance,
 )
-from megarl.engine.memory import MemoryPhases
+from megarl.engine.memory import MemoryPhases, torch_optimizers
 from megarl.engine.packing import pack, padding_mask, response_output_rows, router_rows
 from megarl.engine.prompt_sharing import PositionedRope, PromptGroups, share_prompts, sharing_off_reason
 from megarl.engine.router_replay import RoutingReplay
@@ -506,8 +506,7 @@ def _fused_adam_on_cpu(optimizer) -> None:
     """torch's Adam(W), which megatron builds where neither Transformer Engine nor Apex gives it a fused Adam, takes
     torch's fused multi-tensor kernel for CPU parameters: one call a step instead of about ten operators per
     parameter (the quick start's 0.8M parameters in 30 tensors: 0.36 against 1.23 ms a step, one thread)."""
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = part.optimizer
+    for inner in torch_optimizers(optimizer):
         if isinstance(inner, torch.optim.Adam) and all(
                 param.device.type == "cpu" for group in inner.param_groups for param in group["params"]):
             for group in inner.param_groups:

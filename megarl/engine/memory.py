@@ -44,6 +44,13 @@ def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside megatron's (chained) optimizer; none for None (an inference-only model)."""
+    if optimizer is None:
+        return []
+    return [chained.optimizer for chained in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
 class MemoryPhases:
     def __init__(self, model: torch.nn.Module, optimizer=None):
         """`model`: a megatron DDP module or a bare one (inference only); `optimizer`: megatron's."""
@@ -51,16 +58,10 @@ class MemoryPhases:
         self._offloaded: dict[int, _Offloaded] = {}
         self._pinned: dict[int, torch.Tensor] = {}
 
-    def _optimizers(self) -> list[torch.optim.Optimizer]:
-        """The torch optimizers inside megatron's (chained) optimizer."""
-        if self.optimizer is None:
-            return []
-        return [chained.optimizer for chained in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
-
     def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         params = list(self.model.parameters())
         yield from (("params", p) for p in params)
-        for optimizer in self._optimizers():
+        for optimizer in torch_optimizers(self.optimizer):
             for group in optimizer.param_groups:
                 for main_param in group["params"]:
                     yield "optimizer", main_param
