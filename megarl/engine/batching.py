@@ -6,13 +6,19 @@ which keeps per-rank work within one item of balanced. An RL update cuts the ste
 mini-batches in a seeded order that does not depend on DP (`mini_batch_groups`), and each DP rank
 owns a balanced part of every mini-batch of the first epoch (`owned_groups`).
 
-Into micro-batches: fixed mode cuts a rank's share into micro-batches of a fixed size; dynamic
-mode fills micro-batches under a token budget per rank. With expert parallelism every MoE layer's
-forward and backward is a collective over DP ranks, so their micro-batch counts must agree
-(`recut_micro_batches`).
+Into micro-batches: fixed mode cuts a rank's share, in order, into micro-batches of a fixed size;
+dynamic mode fills micro-batches under a token budget per rank. Where the layout packs sequences
+(Transformer Engine's THD), a micro-batch costs its real tokens, and dynamic mode balances those. Where it
+right-pads every row to the micro-batch's longest, a micro-batch costs its sequences times its longest:
+dynamic mode then cuts the share sorted by length, so that short sequences are not padded to a long one's
+length (`padded_micro_batches`: with a long tail of response lengths, most of a step's padding). With expert
+parallelism every MoE layer's forward and backward is a collective over DP ranks, so their micro-batch
+counts must agree (`recut_micro_batches`).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -51,6 +57,66 @@ def owned_groups(group_tokens: list[int], mini_batches: list[list[int]], dp: int
 
 def fixed_micro_batches(indices: list[int], micro_batch_size: int) -> list[list[int]]:
     return [indices[i : i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
+
+
+MICRO_BATCH_TOKENS = 128
+"""What running one more micro-batch costs (the schedule's and every layer's fixed work), in padded tokens.
+Measured on 2 CPU processes (2026-11-27), the long-tailed task's update (bench/async_vs_sync.py's workload,
+steps 3-15): 0.17 s a step at 32 and at 128, 0.20 s at 512, 0.28 s in the fewest micro-batches the budget
+allows, 0.45 s in micro-batches balanced by real tokens; the quick start's, without prompt sharing (even
+lengths): 0.07 s at 32, at 128 and in the fewest."""
+
+
+def padded_micro_batches(indices: list[int], lengths_B: torch.Tensor, max_tokens: int) -> list[list[int]]:
+    """Micro-batches of rows (a sequence each, or a prompt with its responses: `lengths_B` are their widths)
+    whose padded tokens (rows x the widest: the right-padded layout's work and activations) each fit
+    `max_tokens`, cut from the rows sorted by width where they cost least: each costs its padded tokens plus
+    `MICRO_BATCH_TOKENS` for running at all (dynamic programming over where each run of sorted rows ends)."""
+    order = sorted(indices, key=lambda i: int(lengths_B[i]))  # narrowest first, ties in index order
+    lengths = [int(lengths_B[i]) for i in order]
+    if lengths[-1] > max_tokens:
+        raise ValueError(
+            f"a sequence of {lengths[-1]} tokens exceeds the micro-batch budget max_token_len_per_rank={max_tokens}"
+        )
+    # least[j]: the least cost of the first j sorted rows; start[j]: where the run that ends at j begins
+    least, start = [0.0] + [math.inf] * len(order), [0] * (len(order) + 1)
+    for j in range(1, len(order) + 1):
+        longest = lengths[j - 1]
+        for i in range(max(0, j - max_tokens // longest), j):
+            cost = least[i] + (j - i) * longest + MICRO_BATCH_TOKENS
+            if cost < least[j]:
+                least[j], start[j] = cost, i
+    runs, end = [], len(order)
+    while end:
+        runs.append(sorted(order[start[end]:end]))
+        end = start[end]
+    return runs[::-1]
+
+
+def shared_row_micro_batches(rows: list[list[int]], prompt_lengths_B: torch.Tensor, response_lengths_B: torch.Tensor,
+                             max_tokens: int) -> list[list[int]]:
+    """Micro-batches of shared-prompt rows (each a prompt's sequences: one row of the prompt and their responses)
+    under `max_tokens` padded tokens: the rows that fit cut as `padded_micro_batches` cuts rows; a wider one
+    alone, in as many micro-batches as its responses need, each taking the next responses while they fit."""
+    def width(row: list[int]) -> int:
+        return int(prompt_lengths_B[row[0]] + response_lengths_B[row].sum())
+
+    fitting = [row for row in rows if width(row) <= max_tokens]
+    micro = [sorted(i for r in run for i in fitting[r])
+             for run in padded_micro_batches(list(range(len(fitting))), torch.tensor(list(map(width, fitting))),
+                                             max_tokens)] if fitting else []
+    for row in (row for row in rows if width(row) > max_tokens):
+        part: list[int] = []
+        for i in row:
+            if part and width(part + [i]) > max_tokens:
+                micro.append(part)
+                part = []
+            if width([i]) > max_tokens:
+                raise ValueError(f"a sequence of {width([i])} tokens exceeds the micro-batch budget "
+                                 f"max_token_len_per_rank={max_tokens}")
+            part.append(i)
+        micro.append(part)
+    return micro
 
 
 def budgeted_micro_batches(indices: list[int], lengths_B: torch.Tensor, max_tokens: int) -> list[list[int]]:

@@ -9,7 +9,8 @@ Where the model shares prompts (on by default for an RL run's models wherever it
 `megarl.engine.prompt_sharing`), micro-batches are laid out one row per distinct prompt with all its
 responses, on either layer spec. Otherwise, on GPU with Transformer Engine, they are packed (THD):
 sequences are concatenated without padding and attention restarts at each boundary
-(`PackedSeqParams`); elsewhere they are right-padded to the micro-batch's longest sequence.
+(`PackedSeqParams`); elsewhere they are right-padded to the micro-batch's longest sequence (token-budget
+micro-batches are then cut from the share sorted by length, so that little is padding: `megarl.engine.batching`).
 
 Losses are normalised by *global* counts (tokens or sequences of the whole mini-batch, summed over
 the DP ranks' shares), so gradients are summed, not averaged, over micro-batches and DP ranks
@@ -50,12 +51,14 @@ from megarl.engine.batching import (
     budgeted_micro_batches,
     fixed_micro_batches,
     mini_batch_groups,
+    padded_micro_batches,
     recut_micro_batches,
+    shared_row_micro_batches,
     token_imbalance,
 )
 from megarl.engine.memory import MemoryPhases, torch_optimizers
 from megarl.engine.packing import pack, padding_mask, response_output_rows, router_rows
-from megarl.engine.prompt_sharing import PositionedRope, PromptGroups, share_prompts, sharing_off_reason
+from megarl.engine.prompt_sharing import PositionedRope, PromptGroups, prompt_rows, share_prompts, sharing_off_reason
 from megarl.engine.router_replay import RoutingReplay
 from megarl.engine.routing_stats import RoutingStats
 from megarl.models.architecture import Architecture
@@ -248,14 +251,23 @@ class MegatronEngine:
     def _micro_batches(self, batch: SequenceBatch, idle: bool = False) -> list[list[int]]:
         """This rank's share cut into micro-batches (index lists into `batch`); `idle`: a stand-in."""
         batch.validate(self.arch.max_position_embeddings)
-        indices = list(range(len(batch)))
         if self.config.use_dynamic_batch_size:
-            micro = budgeted_micro_batches(indices, batch.sequence_lengths_B, self.config.max_token_len_per_rank)
+            micro = self._budgeted_micro_batches(batch)
         else:
-            micro = fixed_micro_batches(indices, self.config.micro_batch_size_per_rank)
+            micro = fixed_micro_batches(list(range(len(batch))), self.config.micro_batch_size_per_rank)
         if self.layout.ep > 1:
             micro = self._same_count_on_every_rank(micro, batch, idle)
         return micro
+
+    def _budgeted_micro_batches(self, batch: SequenceBatch) -> list[list[int]]:
+        """Under the token budget: packed sequences balanced by their tokens; rows padded to the micro-batch's
+        widest (a sequence each, or a prompt with its responses where the model shares prompts) by their
+        padded tokens, narrowest rows together (`megarl.engine.batching`)."""
+        budget = self.config.max_token_len_per_rank
+        if self.positioned_rope is None:
+            cut = budgeted_micro_batches if self.packed else padded_micro_batches
+            return cut(list(range(len(batch))), batch.sequence_lengths_B, budget)
+        return shared_row_micro_batches(prompt_rows(batch), batch.prompt_lengths_B, batch.response_lengths_B, budget)
 
     def _same_count_on_every_rank(self, micro: list[list[int]], batch: SequenceBatch, idle: bool) -> list[list[int]]:
         """Expert parallelism exchanges tokens between DP ranks in every MoE layer, so all DP ranks run

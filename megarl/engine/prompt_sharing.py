@@ -108,24 +108,30 @@ class SharedPromptInput:
     micro-batch order; padded response columns repeat the sequence's last predicting row."""
 
 
-def share_prompts(batch: SequenceBatch, multiple: int = 1) -> SharedPromptInput:
-    """The shared-prompt layout of `batch`; sequences share a row when their prompt tokens are equal.
-    The width is rounded up to a `multiple` (sequence parallelism splits it over TP ranks)."""
-    row_of_prompt: dict[tuple[int, ...], int] = {}
-    tokens, positions, branches, starts = [], [], [], []
+def prompt_rows(batch: SequenceBatch) -> list[list[int]]:
+    """The sequences of each distinct prompt of `batch` (equal prompt tokens), in order of first appearance:
+    the rows of its shared-prompt layout."""
+    rows: dict[tuple[int, ...], list[int]] = {}
     for i in range(len(batch)):
-        prompt_length, length = int(batch.prompt_lengths_B[i]), int(batch.sequence_lengths_B[i])
-        prompt = tuple(batch.tokens_BT[i, :prompt_length].tolist())
-        if prompt not in row_of_prompt:
-            row_of_prompt[prompt] = len(tokens)
-            tokens.append(list(prompt))
-            positions.append(list(range(prompt_length)))
-            branches.append([0] * prompt_length)
-        row = row_of_prompt[prompt]
-        starts.append((row, len(tokens[row])))
-        tokens[row] += batch.tokens_BT[i, prompt_length:length].tolist()
-        positions[row] += range(prompt_length, length)
-        branches[row] += [branches[row][-1] + 1] * (length - prompt_length)  # the next response number
+        rows.setdefault(tuple(batch.tokens_BT[i, : int(batch.prompt_lengths_B[i])].tolist()), []).append(i)
+    return list(rows.values())
+
+
+def share_prompts(batch: SequenceBatch, multiple: int = 1) -> SharedPromptInput:
+    """The shared-prompt layout of `batch`, a row per distinct prompt (`prompt_rows`). The width is rounded
+    up to a `multiple` (sequence parallelism splits it over TP ranks)."""
+    tokens, positions, branches, starts = [], [], [], [(0, 0)] * len(batch)
+    for row, sequences in enumerate(prompt_rows(batch)):
+        prompt_length = int(batch.prompt_lengths_B[sequences[0]])
+        tokens.append(batch.tokens_BT[sequences[0], :prompt_length].tolist())
+        positions.append(list(range(prompt_length)))
+        branches.append([0] * prompt_length)
+        for branch, i in enumerate(sequences, start=1):
+            length = int(batch.sequence_lengths_B[i])
+            starts[i] = (row, len(tokens[row]))
+            tokens[row] += batch.tokens_BT[i, prompt_length:length].tolist()
+            positions[row] += range(prompt_length, length)
+            branches[row] += [branch] * (length - prompt_length)
 
     width = max(map(len, tokens))
     width += -width % multiple

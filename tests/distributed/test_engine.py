@@ -30,7 +30,7 @@ from tests.conftest import ROOT, assert_succeeded, torchrun
 
 SCRIPT = ROOT / "tests/distributed/scripts/engine_checks.py"
 LAYOUTS = {"tp2": (2, ["--tp", 2, "--recompute"]), "pp2": (2, ["--pp", 2, "--dynamic"]),
-           "tp2pp2": (4, ["--tp", 2, "--pp", 2, "--share-prompts"]),
+           "tp2pp2": (4, ["--tp", 2, "--pp", 2, "--share-prompts", "--dynamic"]),
            "dp2": (2, ["--dynamic", "--bf16-steps", 3, "--grad-bucket-size", 20000])}
 
 
@@ -98,6 +98,8 @@ def test_layout_matches_transformers_and_tp1_step(baseline, layout_run, layout):
     shares = layout == "tp2pp2"
     assert report["shares_prompts"] == [shares] * 2
     assert report["attention_masks"] == [["arbitrary" if shares else "causal"]] * 2
+    # Token-budget micro-batches keep a prompt's responses in one row: 6 distinct prompts of 8 sequences.
+    assert report["rows_scored"] == (6 if shares else report["sequences"])
     assert report["logprob_entropy_diff"] <= 1e-4 and report["value_diff"] <= 1e-4
     assert report["kept_outputs_vs_score"] <= 1e-5
     assert report["loss"] == pytest.approx(base_report["loss"], abs=1e-5)

@@ -11,13 +11,14 @@ import json
 
 import torch
 import torch.distributed as dist
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.transformer.attention import SelfAttention
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from megarl.config.schema import EngineConfig, ModelConfig, OptimizerConfig
 from megarl.distributed import finish_process, init_layout
 from megarl.engine.batch import SequenceBatch
-from megarl.engine.batching import balance_over_data_parallel, budgeted_micro_batches
+from megarl.engine.batching import balance_over_data_parallel, padded_micro_batches
 from megarl.engine.megatron_engine import MegatronEngine
 from megarl.engine.prompt_sharing import PromptGroups
 from megarl.models.hf_interop import export_hf
@@ -88,7 +89,13 @@ def max_diff(scores, reference):
 report = {}
 policy = MegatronEngine(layout, ModelConfig(path=args.policy, dtype=args.dtype), engine_config,
                         total_optimizer_steps=10, groups=groups)
+rows_embedded = []  # rows of each micro-batch the first stage embeds: a sequence each, or a shared prompt's
+for module in policy.module.modules():
+    if isinstance(module, LanguageModelEmbedding):
+        module.register_forward_pre_hook(lambda _, args, kwargs: rows_embedded.append(len(kwargs["input_ids"])),
+                                         with_kwargs=True)
 scores = policy.score(batch, temperature=TEMPERATURE)
+report["rows_scored"], report["sequences"] = sum(rows_embedded), len(batch)
 critic = MegatronEngine(layout, ModelConfig(path=args.value, dtype=args.dtype), engine_config, groups=groups)
 report["shares_prompts"] = [engine.positioned_rope is not None for engine in (policy, critic)]
 # causal: the self-attention layers mask on their own; arbitrary: they apply the mask each forward gives them.
@@ -135,7 +142,7 @@ if args.bf16_steps:
     # gradients reduced in overlapped buckets (megatron issues each bucket's reduction in the last micro-batch).
     fewer = batch.select(list(range(len(batch) // 2)))
     budget = engine_config.max_token_len_per_rank
-    report["micro_batches"] = [len(budgeted_micro_batches(list(range(len(b))), b.sequence_lengths_B, budget))
+    report["micro_batches"] = [len(padded_micro_batches(list(range(len(b))), b.sequence_lengths_B, budget))
                                for b in (batch, fewer)]
     report["fewer_micro_batches_loss"] = policy.train_mini_batch(fewer, nll_with_entropy_bonus,
                                                                  temperature=TEMPERATURE)[0]["loss"]

@@ -3,16 +3,21 @@ an update's mini-batches of whole groups, the same at any DP, each balanced over
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from megarl.engine.batch import ResponseTensors, SequenceBatch, right_pad
 from megarl.engine.batching import (
+    MICRO_BATCH_TOKENS,
     balance_over_data_parallel,
     budgeted_micro_batches,
     fixed_micro_batches,
     mini_batch_groups,
     owned_groups,
+    padded_micro_batches,
+    shared_row_micro_batches,
     recut_micro_batches,
     token_imbalance,
 )
@@ -72,8 +77,63 @@ def test_mini_batches_hold_whole_groups_in_a_seeded_order_and_each_is_balanced_o
     assert owners == [[0, 1, 5], [2, 3, 4]]
 
 
+def test_padded_micro_batches_cut_the_sorted_share_where_padding_costs_more_than_a_micro_batch_by_hand():
+    lengths = torch.tensor([40, 240, 30, 100, 35, 50])
+    # Budget 300 padded tokens: 240 alone; each micro-batch costs MICRO_BATCH_TOKENS (128) more. [30, 35, 40, 50] padded
+    # to 50 (200 + 128), [100] (228), [240] (368): 924 (not [30, 35] [40, 50, 100]: 70 + 300 + 240 + 3 x 128 = 994).
+    assert padded_micro_batches(list(range(6)), lengths, 300) == [[0, 2, 4, 5], [3], [1]]
+    # Even lengths run together: 5 x 60 + 128 = 428 against [30, 35, 40, 50] [60]: 200 + 128 + 60 + 128 = 516.
+    assert padded_micro_batches(list(range(5)), torch.tensor([40, 30, 35, 50, 60]), 1000) == [[0, 1, 2, 3, 4]]
+    # A long tail: one 240 among short ones runs alone (200 + 128 + 240 + 128 = 696 against 5 x 240 + 128).
+    assert padded_micro_batches([0, 1, 2, 4, 5], lengths, 4096) == [[0, 2, 4, 5], [1]]
+
+
+def test_shared_rows_stay_whole_and_a_row_wider_than_the_budget_goes_alone_by_hand():
+    prompts, responses = torch.tensor([10] * 7), torch.tensor([5, 5, 15, 15, 40, 40, 40])
+    # Rows 20, 40 and 130 tokens wide at a budget of 100: the first two together (2 x 40 + 128 < 20 + 40 + 2 x 128);
+    # the third split over micro-batches of the prompt with its next responses while they fit (10 + 80, 10 + 40).
+    assert shared_row_micro_batches([[0, 1], [2, 3], [4, 5, 6]], prompts, responses, 100) == [[0, 1, 2, 3], [4, 5],
+                                                                                              [6]]
+    with pytest.raises(ValueError, match="a sequence of 105 tokens exceeds .*max_token_len_per_rank=100"):
+        shared_row_micro_batches([[0, 1]], prompts, torch.tensor([5, 95]), 100)
+
+
+def _set_partitions(items):
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for partition in _set_partitions(rest):
+        yield [[first], *partition]
+        for k in range(len(partition)):
+            yield [*partition[:k], [first, *partition[k]], *partition[k + 1:]]
+
+
+def test_padded_micro_batches_match_a_search_of_every_partition():
+    """The least padded tokens plus MICRO_BATCH_TOKENS a micro-batch under the padded budget, as a search over
+    every way of splitting the share (not only runs of the sorted share) finds."""
+    rng = random.Random(0)
+    for _ in range(40):
+        lengths = torch.tensor([rng.choice([3, 5, 8, 13, 40, 90]) for _ in range(7)])
+        budget = rng.choice([90, 120, 200, 400])
+        indices = rng.sample(range(7), rng.randint(1, 7))
+
+        def padded(micro_batch):
+            return len(micro_batch) * max(int(lengths[i]) for i in micro_batch)
+
+        def cost(partition):
+            return sum(padded(m) + MICRO_BATCH_TOKENS for m in partition)
+
+        least = min(cost(p) for p in _set_partitions(indices) if all(padded(m) <= budget for m in p))
+        micro = padded_micro_batches(indices, lengths, budget)
+        assert sorted(i for m in micro for i in m) == sorted(indices)
+        assert all(padded(m) <= budget for m in micro)
+        assert cost(micro) == least
+
+
 @pytest.mark.parametrize("call,needle", [
     (lambda: budgeted_micro_batches([0, 3], LENGTHS, 299), "300 tokens exceeds .*max_token_len_per_rank=299"),
+    (lambda: padded_micro_batches([0, 3], LENGTHS, 299), "300 tokens exceeds .*max_token_len_per_rank=299"),
 ])
 def test_bad_budgets_fail_clearly(call, needle):
     with pytest.raises(ValueError, match=needle):
