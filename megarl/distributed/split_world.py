@@ -57,16 +57,23 @@ class SplitWorld:
             self._groups[ranks] = _backend(prefix, ranks.index(self.rank), len(ranks))
         return self._groups[ranks]
 
-    def broadcast_object(self, value, root: int):
-        """`value` of global rank `root` on every rank of the world (pickled; for small state only)."""
+    def broadcast_object(self, value, root: int, ranks: tuple[int, ...] | None = None):
+        """`value` of global rank `root` on every rank of the world, or of `ranks` alone (global ranks, `root`
+        among them; only they call). Pickled: for small state only."""
         on = device.compute_device()
+        group, group_root = (self.bridge, root) if ranks is None else (self.bridge_group(ranks), ranks.index(root))
         data = _pickled(value, on) if self.rank == root else None
         size = torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64, device=on)
-        self.bridge.broadcast(size, root).wait()
+        group.broadcast(size, group_root).wait()
         if data is None:
             data = torch.empty(int(size), dtype=torch.uint8, device=on)
-        self.bridge.broadcast(data, root).wait()
+        group.broadcast(data, group_root).wait()
         return value if self.rank == root else _unpickled(data)
+
+    @property
+    def rank_0_and_rollout_ranks(self) -> tuple[int, ...]:
+        """Trainer rank 0 and every rollout rank: what the trainer tells the rollout ranks alone goes over these."""
+        return (0, *range(self.first_rollout_rank, self.num_trainer_ranks + self.num_rollout_ranks))
 
     def send_object(self, value, dst: int) -> None:
         """`value` to global rank `dst` alone (pickled), which takes it with `recv_object`."""

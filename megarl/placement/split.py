@@ -82,8 +82,11 @@ class SplitPlacement(Placement):
         self.engine_version: int | None = None
 
     def start(self, start_step: int, sampler_state: dict, saved: dict) -> None:
-        """Tell the rollout ranks where the run starts: the trainer's sampler and what they saved."""
-        self.world.broadcast_object((start_step, sampler_state, saved), root=0)
+        """Tell the rollout ranks where the run starts: the trainer's sampler and what they saved (trainer rank 0
+        holds it; the other trainer ranks take no part)."""
+        if self.world.rank == 0:
+            where = (start_step, sampler_state, saved)
+            self.world.broadcast_object(where, 0, self.world.rank_0_and_rollout_ranks)
 
     def rollouts(self, step: int, timer: PhaseTimer) -> StepRollouts:
         self._sync_to(step - 1, timer)
@@ -167,7 +170,7 @@ class RolloutWorker:
     def fit(self) -> None:
         """The rollout ranks' mirror of `RLTrainer.fit` (module docstring)."""
         trainer = self.config.trainer
-        start, sampler_state, saved = self.world.broadcast_object(None, root=0)
+        start, sampler_state, saved = self.world.broadcast_object(None, 0, self.world.rank_0_and_rollout_ranks)
         self.batches.load_state_dict(sampler_state, saved)
         if self.val_data is not None and trainer.val_before_train and start == 1:
             self._validate(0)
