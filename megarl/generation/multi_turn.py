@@ -6,7 +6,8 @@ first rank alone holds the environments (one per trajectory), as it alone scores
 trajectory, and its TP peers receive each turn's observation tokens in one broadcast over the
 replica. The openings (each trajectory's first messages rendered with its environment's tools, or
 the sample's own prompt, rendered with the run's tools, when `reset` returns none) are what every
-later phase takes as the sequence's prompt, so they are gathered onto every rank once.
+later phase takes as the sequence's prompt (`Rollouts.openings`): they stay with their responses on the
+replica's ranks and travel with them, and every rank learns their lengths.
 
 A trajectory's score comes from `rollout.multi_turn.reward` (`final_rewards`): its environment's
 reward, the reward function's score of its last assistant turn, or their sum. Every rank then learns each trajectory's
@@ -20,6 +21,7 @@ import json
 from dataclasses import replace
 from typing import Callable
 
+import torch
 import torch.distributed as dist
 
 from megarl.agent.environment import Environment, load_environment
@@ -60,18 +62,19 @@ class MultiTurnRollouts:
         limits = TurnLimits(turns.max_turns, max_response_length, turns.max_tokens_per_turn)
         return cls(load_environment(rollout), tokenizer, rollout.tp, limits, max_prompt_length, turns.reward)
 
-    def _share(self, observations: list | None) -> list:
-        """The leader's observations on every rank of the replica."""
+    def _share(self, value):
+        """The leader's `value` (observations, openings) on every rank of the replica."""
         if self.replica_group is None:
-            return observations
-        box = [observations]
+            return value
+        box = [value]
         dist.broadcast_object_list(box, src=self.leader, group=self.replica_group)
         return box[0]
 
     def collect(self, prompts: list[Prompt], engine: RolloutEngine, sampling: Sampling,
                 rewards: RewardManager) -> Rollouts:
         """`sampling.n` trajectories per prompt, generated on the engine replicas and scored. Every rank
-        returns every trajectory's scores and opening; the responses are held by their replica's ranks."""
+        returns every trajectory's scores and opening length; the responses and openings are held by their
+        replica's ranks."""
         n, is_leader = sampling.n, dist.get_rank() == self.leader
         rollouts, (start, stop) = unfilled_rollouts(prompts, n, self.engine_tp)
         mine = range(start * n, stop * n)
@@ -83,9 +86,11 @@ class MultiTurnRollouts:
                     self.environment_for, self.renderers, rollouts.prompts[i], self.max_prompt_length)
                 seats.append((environment, renderer))
                 openings[i] = (opening, messages)
-        everyone = collectives.all_gather_object({i: ids for i, (ids, _) in openings.items()})
-        opening_ids = {i: ids for part in everyone for i, ids in part.items()}
-        rollouts.prompts = [replace(p, prompt_ids=opening_ids[i]) for i, p in enumerate(rollouts.prompts)]
+        opening_ids = self._share({i: ids for i, (ids, _) in openings.items()})
+        rollouts.openings = [opening_ids.get(i) for i in range(len(rollouts))]
+        lengths = torch.tensor([len(opening_ids[i]) if is_leader and i in mine else 0 for i in range(len(rollouts))])
+        collectives.all_reduce(lengths)  # each opening's length comes from its replica's leader alone
+        rollouts.opening_lengths = lengths.tolist()
         trajectories = [Trajectory(i, opening_ids[i], messages=list(openings[i][1]) if is_leader else [])
                         for i in mine]
         stop_ids = tuple(sorted({*sampling.stop_token_ids, self.end_of_turn_id}))

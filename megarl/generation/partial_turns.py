@@ -149,12 +149,12 @@ class TurnRounds:
         return [group for group in groups if group.admission in broken]
 
     def scored(self, batch: list[Group], dataset: PromptDataset, n: int, engine_tp: int) -> Rollouts:
-        """The batch's trajectories as `Rollouts` held by every rank (each sequence's prompt its opening), scored
+        """The batch's trajectories as `Rollouts` held by every rank (with their openings), scored
         by rank 0 from `rollout.multi_turn.reward`."""
         rollouts, _ = unfilled_rollouts([dataset[group.index] for group in batch], n, engine_tp)
         responses = [response for group in batch for response in group.responses]
-        rollouts.prompts = [replace(prompt, prompt_ids=response.turn.opening)
-                            for prompt, response in zip(rollouts.prompts, responses)]
+        rollouts.openings = [response.turn.opening for response in responses]
+        rollouts.opening_lengths = [len(opening) for opening in rollouts.openings]
         rollouts.response_ids = [response.ids for response in responses]
         rollouts.rollout_logprobs = [response.logprobs for response in responses]
         rollouts.token_versions = [response.versions for response in responses]

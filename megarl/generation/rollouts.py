@@ -72,6 +72,12 @@ class Rollouts:
     loss_masks: list[list[int] | None] = column()
     """Multi-turn rollouts (`megarl.generation.multi_turn`): 1 on each response's model tokens, 0 on its
     environment's; None where not held; empty for single-turn rollouts."""
+    openings: list[list[int] | None] = column()
+    """Multi-turn rollouts: each trajectory's opening (its environment's first messages, rendered), which its
+    response continues in place of its prompt's `prompt_ids`; held with the response (None where not held);
+    empty for single-turn rollouts."""
+    opening_lengths: list[int] = column()
+    """Multi-turn rollouts: the length of every trajectory's opening, on every rank."""
     messages: list[list[dict] | None] = column()
     """Multi-turn rollouts: each trajectory's conversation, held by its replica's first rank (None
     elsewhere); empty for single-turn rollouts."""
@@ -114,12 +120,20 @@ class Rollouts:
             raise RewardFunctionError(f"all {len(self)} reward calls failed ({self.num_reward_errors} errors, "
                                       f"{self.num_reward_timeouts} timeouts); first: {self.first_reward_failure}")
 
+    def prompt_ids(self, index: int) -> list[int]:
+        """The tokens sequence `index`'s response continues: its trajectory's opening, or its prompt's."""
+        return self.openings[index] if self.openings else self.prompts[index].prompt_ids
+
+    def prompt_length(self, index: int) -> int:
+        """`len(self.prompt_ids(index))`, on every rank."""
+        return self.opening_lengths[index] if self.opening_lengths else len(self.prompts[index].prompt_ids)
+
     def to_batch(self, pad_token_id: int) -> SequenceBatch:
         """Prompt + response token sequences, right-padded, with the engine's log-probs aligned, its
         routing and the loss masks of multi-turn rollouts, if any (all responses must be held here)."""
         tensors = ResponseTensors(rollout_logprobs_BR=right_pad(self.rollout_logprobs, 0.0, torch.float32))
-        return SequenceBatch.from_sequences([p.prompt_ids for p in self.prompts], self.response_ids, pad_token_id,
-                                            tensors, self.routed_experts or None, self.loss_masks or None)
+        return SequenceBatch.from_sequences([self.prompt_ids(i) for i in range(len(self))], self.response_ids,
+                                            pad_token_id, tensors, self.routed_experts or None, self.loss_masks or None)
 
 
 def rollout_sampling(config: RunConfig, eos_token_id: int | None, step: int, validation: bool,
@@ -259,13 +273,15 @@ def packed_size(rollouts: Rollouts, rows: list[int]) -> int:
 
 def pack_responses(rollouts: Rollouts, rows: list[int]) -> torch.Tensor:
     """The responses of sequences `rows` (held here) as one float64 tensor, sequence after sequence: token
-    ids, log-probs, the loss mask of a multi-turn rollout and a mixture-of-experts model's routing (all exact)."""
+    ids, log-probs, a multi-turn rollout's loss mask and opening, and a mixture-of-experts model's routing (all
+    exact)."""
     parts = []
     for i in rows:
         parts += [torch.tensor(rollouts.response_ids[i], dtype=torch.float64),
                   torch.tensor(rollouts.rollout_logprobs[i], dtype=torch.float64)]
         if rollouts.loss_masks:
-            parts.append(torch.tensor(rollouts.loss_masks[i], dtype=torch.float64))
+            parts += [torch.tensor(rollouts.loss_masks[i], dtype=torch.float64),
+                      torch.tensor(rollouts.openings[i], dtype=torch.float64)]
         if rollouts.routed_experts_shape is not None:
             parts.append(rollouts.routed_experts[i].flatten().double())
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
@@ -280,8 +296,10 @@ def unpack_responses(rollouts: Rollouts, rows: list[int], packed: torch.Tensor) 
         rollouts.rollout_logprobs[i] = packed[offset + length : offset + 2 * length].tolist()
         routing_start = offset + 2 * length
         if rollouts.loss_masks:
-            rollouts.loss_masks[i] = packed[routing_start : routing_start + length].long().tolist()
-            routing_start += length
+            opening = routing_start + length
+            rollouts.loss_masks[i] = packed[routing_start:opening].long().tolist()
+            rollouts.openings[i] = packed[opening : opening + rollouts.opening_lengths[i]].long().tolist()
+            routing_start = opening + rollouts.opening_lengths[i]
         if rollouts.routed_experts_shape is not None:
             routing = packed[routing_start : offset + size]
             rollouts.routed_experts[i] = routing.view(-1, *rollouts.routed_experts_shape).to(torch.int16)
@@ -289,11 +307,12 @@ def unpack_responses(rollouts: Rollouts, rows: list[int], packed: torch.Tensor) 
 
 
 def _packed_size(rollouts: Rollouts, index: int) -> int:
-    length, per_token = rollouts.response_lengths[index], 3 if rollouts.loss_masks else 2
+    length = rollouts.response_lengths[index]
+    size = 3 * length + rollouts.opening_lengths[index] if rollouts.loss_masks else 2 * length
     if rollouts.routed_experts_shape is None:
-        return per_token * length
+        return size
     layers, top_k = rollouts.routed_experts_shape
-    return per_token * length + (len(rollouts.prompts[index].prompt_ids) + length - 1) * layers * top_k
+    return size + (rollouts.prompt_length(index) + length - 1) * layers * top_k
 
 
 def _columns() -> list[tuple[str, str]]:

@@ -5,11 +5,12 @@ JSON-safe: the batches generated ahead go into checkpoints as they are). It cros
 parts, so a trainer rank receives O(its share) bytes, whatever the batch:
 
     header     every sequence's scalars (length, score, extras, finish reason; a multi-turn trajectory's
-               opening), the batch's counts and the age of its tokens' policy versions, broadcast to every
-               rank: O(B) values, what the trainer needs to check staleness and deal the DP ranks' shares;
-    responses  the token ids, log-probs (and loss masks) of the sequences each trainer rank trains on, one
-               float64 tensor sent point-to-point from the first rollout rank (`pack_responses`), once
-               trainer rank 0 has told it who wants which: never pickled, nothing sent twice to a rank.
+               opening length), the batch's counts and the age of its tokens' policy versions, broadcast to
+               every rank: O(B) values, what the trainer needs to check staleness and deal the DP ranks' shares;
+    responses  the token ids, log-probs (and a multi-turn trajectory's loss mask and opening) of the sequences
+               each trainer rank trains on, one float64 tensor sent point-to-point from the first rollout rank
+               (`pack_responses`), once trainer rank 0 has told it who wants which: never pickled, nothing sent
+               twice to a rank.
 
     bridge = BatchBridge(world, dataset, n)
     bridge.send(payload)                              # rollout ranks (the first serves the responses)
@@ -19,8 +20,6 @@ parts, so a trainer rank receives O(its share) bytes, whatever the batch:
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from megarl import device
@@ -28,7 +27,7 @@ from megarl.data.prompt_dataset import PromptDataset
 from megarl.distributed.split_world import SplitWorld
 from megarl.generation.rollouts import Rollouts, pack_responses, packed_size, unpack_responses
 
-PER_TOKEN = ("response_ids", "logprobs", "token_versions", "loss_masks")
+PER_TOKEN = ("response_ids", "logprobs", "token_versions", "loss_masks", "openings")
 """The payload's per-token columns: they travel as the responses, never in the header."""
 
 
@@ -49,7 +48,7 @@ class BatchBridge:
         rows = self._received(torch.empty(int(counts.sum()), dtype=torch.int64)).tolist()
         rollouts = _rollouts(header, self.dataset, self.n)
         rollouts.response_ids, rollouts.rollout_logprobs = payload["response_ids"], payload["logprobs"]
-        rollouts.loss_masks = payload["loss_masks"]
+        rollouts.loss_masks, rollouts.openings = payload["loss_masks"], payload["openings"] or []
         works, start = [], 0
         for rank, count in enumerate(counts.tolist()):
             packed = pack_responses(rollouts, rows[start : start + count]).to(self.on)
@@ -100,7 +99,7 @@ def batch_payload(rollouts: Rollouts, step: int, indices: list[int], metrics: di
             "finish_reasons": rollouts.finish_reasons, "scores": rollouts.scores, "score_extras": rollouts.score_extras,
             "num_reward_errors": rollouts.num_reward_errors, "num_reward_timeouts": rollouts.num_reward_timeouts,
             "first_reward_failure": rollouts.first_reward_failure, "error": error, "metrics": metrics,
-            "openings": [p.prompt_ids for p in rollouts.prompts] if multi_turn else None,
+            "openings": rollouts.openings if multi_turn else None,
             "loss_masks": rollouts.loss_masks, "trajectory_stats": rollouts.trajectory_stats}
 
 
@@ -111,19 +110,18 @@ def batch_header(payload: dict) -> dict:
     header = {key: value for key, value in payload.items() if key not in PER_TOKEN}
     ages = [payload["step"] - 1 - version for versions in payload["token_versions"] for version in versions]
     spanning = [len(set(versions)) > 1 for versions in payload["token_versions"]]
+    openings = payload["openings"]
     return {**header, "response_lengths": [len(ids) for ids in payload["response_ids"]],
+            "opening_lengths": [len(ids) for ids in openings] if openings is not None else None,
             "staleness": max(ages, default=0),
             "staleness_mean": sum(ages) / max(len(ages), 1),
             "multi_version_responses": sum(spanning) / max(len(spanning), 1)}
 
 
 def _rollouts(header: dict, dataset: PromptDataset, n: int) -> Rollouts:
-    """A batch's `Rollouts`, with no response held. A multi-turn sequence's prompt is its trajectory's opening (its
-    environment's first messages)."""
+    """A batch's `Rollouts`, with no response (nor a multi-turn trajectory's opening) held."""
     prompts = [p for i in header["indices"] for p in [dataset[i]] * n]
-    if header["openings"] is not None:
-        prompts = [dataclasses.replace(p, prompt_ids=ids) for p, ids in zip(prompts, header["openings"])]
-    num_sequences = len(prompts)
+    num_sequences, multi_turn = len(prompts), header["opening_lengths"] is not None
     return Rollouts(
         prompts=prompts, group_ids=[i // n for i in range(num_sequences)], replicas=[0] * num_sequences,
         response_lengths=header["response_lengths"], response_ids=[None] * num_sequences,
@@ -131,5 +129,6 @@ def _rollouts(header: dict, dataset: PromptDataset, n: int) -> Rollouts:
         finish_reasons=header["finish_reasons"], scores=header["scores"], score_extras=header["score_extras"],
         num_reward_errors=header["num_reward_errors"], num_reward_timeouts=header["num_reward_timeouts"],
         first_reward_failure=header["first_reward_failure"],
-        loss_masks=[None] * num_sequences if header["openings"] is not None else [],
+        loss_masks=[None] * num_sequences if multi_turn else [], openings=[None] * num_sequences if multi_turn else [],
+        opening_lengths=header["opening_lengths"] or [],
         trajectory_stats=header["trajectory_stats"])

@@ -38,8 +38,8 @@ def take_share(rollouts: Rollouts, layout: ParallelLayout, move: Callable[[Rollo
     number = {group: k for k, group in enumerate(groups)}
     group_of = [number[group] for group in rollouts.group_ids]
     tokens = [0] * len(groups)
-    for prompt, length, group in zip(rollouts.prompts, rollouts.response_lengths, group_of):
-        tokens[group] += len(prompt.prompt_ids) + length
+    for i, (length, group) in enumerate(zip(rollouts.response_lengths, group_of)):
+        tokens[group] += rollouts.prompt_length(i) + length
     owners = owned_groups(tokens, mini_batch_groups(len(groups), groups_per_mini_batch, seed, step, epoch=0), layout.dp)
     if not all(owners):
         raise RuntimeError(f"step {step}: {len(groups)} groups for {layout.dp} DP ranks; every DP rank needs a "

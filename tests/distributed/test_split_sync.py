@@ -38,6 +38,8 @@ def test_split_bridge_moves_weights_and_batches_exactly(tiny_moe_models, tmp_pat
             assert report["response_ids"][i] == (sent["response_ids"][i] if held else None), (rank, i)
             assert report["logprobs"][i] == (sent["logprobs"][i] if held else None), (rank, i)
             assert report["loss_masks"][i] == (sent["loss_masks"][i] if held else None), (rank, i)
-        assert report["prompts"] == sent["openings"] and report["scores"] == sent["scores"]
+            assert report["openings"][i] == (sent["openings"][i] if held else None), (rank, i)
+        assert report["opening_lengths"] == [len(opening) for opening in sent["openings"]]
+        assert report["scores"] == sent["scores"]
         assert report["staleness"] == max(ages) == 1
         assert report["multi_version_responses"] == sum(len(set(v)) > 1 for v in sent["token_versions"]) / 6

@@ -66,11 +66,13 @@ if world.is_trainer:
     bridge.move(rollouts, WANTED)
     report = {"bytes_sent": stats.bytes_sent, "response_ids": rollouts.response_ids,
               "logprobs": rollouts.rollout_logprobs, "loss_masks": rollouts.loss_masks,
-              "prompts": [p.prompt_ids for p in rollouts.prompts], "scores": rollouts.scores,
+              "openings": rollouts.openings, "opening_lengths": rollouts.opening_lengths, "scores": rollouts.scores,
               "staleness": header["staleness"], "multi_version_responses": header["multi_version_responses"]}
 else:
     generator = torch.Generator().manual_seed(0)
-    sent = Rollouts(prompts=[Prompt([1] * (2 + i), "test", "", {}, i // N) for i in range(len(LENGTHS))],
+    openings = [[1] * (2 + i) for i in range(len(LENGTHS))]  # multi-turn: each trajectory's own
+    sent = Rollouts(prompts=[prompts[i // N] for i in range(len(LENGTHS))], openings=openings,
+                    opening_lengths=list(map(len, openings)),
                     group_ids=[i // N for i in range(len(LENGTHS))], replicas=[0] * len(LENGTHS),
                     response_lengths=LENGTHS,
                     response_ids=[torch.randint(0, 1000, (n,), generator=generator).tolist() for n in LENGTHS],

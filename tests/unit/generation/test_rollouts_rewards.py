@@ -71,25 +71,31 @@ def test_a_batch_where_every_reward_call_failed_stops_the_run():
 
 
 def test_responses_packed_and_unpacked_are_the_same_values_at_the_same_sequences():
-    """Token ids, log-probs, loss masks and routed experts (L=2 layers, top-2, over prompt + response - 1
-    tokens) of sequences 2 and 0, packed, land at sequences 2 and 0 of rollouts that held none."""
+    """Token ids, log-probs, multi-turn loss masks and openings, and routed experts (L=2 layers, top-2, over
+    opening + response - 1 tokens) of sequences 2 and 0, packed, land at sequences 2 and 0 of rollouts that held
+    none (and knew the openings' lengths alone)."""
     lengths, generator = [3, 1, 2], torch.Generator().manual_seed(0)
+    openings = [[9] * (i + 2) for i in range(3)]
     held = Rollouts(prompts=[Prompt([5] * (i + 1), "arithmetic", "3", {}, i) for i in range(3)], group_ids=[0, 1, 2],
                     replicas=[0] * 3, response_lengths=lengths,
                     response_ids=[torch.randint(0, 50_000, (n,), generator=generator).tolist() for n in lengths],
                     rollout_logprobs=[(-torch.rand(n, generator=generator, dtype=torch.float64)).tolist()
                                       for n in lengths],
-                    loss_masks=[[1, 0, 1], [1], [0, 1]], routed_experts_shape=(2, 2),
-                    routed_experts=[torch.randint(0, 64, (i + n, 2, 2), generator=generator, dtype=torch.int16)
+                    loss_masks=[[1, 0, 1], [1], [0, 1]], openings=openings, opening_lengths=[2, 3, 4],
+                    routed_experts_shape=(2, 2),
+                    routed_experts=[torch.randint(0, 64, (i + 1 + n, 2, 2), generator=generator, dtype=torch.int16)
                                     for i, n in enumerate(lengths)])
     packed = pack_responses(held, [2, 0])
-    assert len(packed) == packed_size(held, [2, 0]) == (3 * 2 + 2 * 2 * 4) + (3 * 3 + 3 * 2 * 2)
+    assert len(packed) == packed_size(held, [2, 0]) == (3 * 2 + 4 + 5 * 2 * 2) + (3 * 3 + 2 + 4 * 2 * 2)
     empty = Rollouts(prompts=held.prompts, group_ids=[0, 1, 2], replicas=[0] * 3, response_lengths=lengths,
                      response_ids=[None] * 3, rollout_logprobs=[None] * 3, loss_masks=[None] * 3,
-                     routed_experts_shape=(2, 2), routed_experts=[None] * 3)
+                     openings=[None] * 3, opening_lengths=[2, 3, 4], routed_experts_shape=(2, 2),
+                     routed_experts=[None] * 3)
     unpack_responses(empty, [2, 0], packed)
     for i in (2, 0):
         assert empty.response_ids[i] == held.response_ids[i] and empty.loss_masks[i] == held.loss_masks[i]
+        assert empty.openings[i] == openings[i] and empty.prompt_ids(i) == openings[i]
         assert empty.rollout_logprobs[i] == held.rollout_logprobs[i]  # float64 carries them exactly
         assert torch.equal(empty.routed_experts[i], held.routed_experts[i])
+    assert empty.openings[1] is None and empty.prompt_length(1) == 3
     assert empty.response_ids[1] is None and empty.routed_experts[1] is None
