@@ -67,6 +67,13 @@ allows, 0.45 s in micro-batches balanced by real tokens; the quick start's, with
 lengths): 0.07 s at 32, at 128 and in the fewest."""
 
 
+def _check_fits(tokens: int, max_tokens: int) -> None:
+    """A sequence of `tokens` fits one micro-batch alone, or the run stops here."""
+    if tokens > max_tokens:
+        raise ValueError(f"a sequence of {tokens} tokens exceeds the micro-batch budget "
+                         f"max_token_len_per_rank={max_tokens}")
+
+
 def padded_micro_batches(indices: list[int], lengths_B: torch.Tensor, max_tokens: int) -> list[list[int]]:
     """Micro-batches of rows (a sequence each, or a prompt with its responses: `lengths_B` are their widths)
     whose padded tokens (rows x the widest: the right-padded layout's work and activations) each fit
@@ -74,10 +81,7 @@ def padded_micro_batches(indices: list[int], lengths_B: torch.Tensor, max_tokens
     `MICRO_BATCH_TOKENS` for running at all (dynamic programming over where each run of sorted rows ends)."""
     order = sorted(indices, key=lambda i: int(lengths_B[i]))  # narrowest first, ties in index order
     lengths = [int(lengths_B[i]) for i in order]
-    if lengths[-1] > max_tokens:
-        raise ValueError(
-            f"a sequence of {lengths[-1]} tokens exceeds the micro-batch budget max_token_len_per_rank={max_tokens}"
-        )
+    _check_fits(max(lengths, default=0), max_tokens)
     # least[j]: the least cost of the first j sorted rows; start[j]: where the run that ends at j begins
     least, start = [0.0] + [math.inf] * len(order), [0] * (len(order) + 1)
     for j in range(1, len(order) + 1):
@@ -102,18 +106,15 @@ def shared_row_micro_batches(rows: list[list[int]], prompt_lengths_B: torch.Tens
         return int(prompt_lengths_B[row[0]] + response_lengths_B[row].sum())
 
     fitting = [row for row in rows if width(row) <= max_tokens]
-    micro = [sorted(i for r in run for i in fitting[r])
-             for run in padded_micro_batches(list(range(len(fitting))), torch.tensor(list(map(width, fitting))),
-                                             max_tokens)] if fitting else []
+    runs = padded_micro_batches(list(range(len(fitting))), torch.tensor(list(map(width, fitting))), max_tokens)
+    micro = [sorted(i for r in run for i in fitting[r]) for run in runs]
     for row in (row for row in rows if width(row) > max_tokens):
         part: list[int] = []
         for i in row:
+            _check_fits(width([i]), max_tokens)
             if part and width(part + [i]) > max_tokens:
                 micro.append(part)
                 part = []
-            if width([i]) > max_tokens:
-                raise ValueError(f"a sequence of {width([i])} tokens exceeds the micro-batch budget "
-                                 f"max_token_len_per_rank={max_tokens}")
             part.append(i)
         micro.append(part)
     return micro
@@ -122,11 +123,7 @@ def shared_row_micro_batches(rows: list[list[int]], prompt_lengths_B: torch.Tens
 def budgeted_micro_batches(indices: list[int], lengths_B: torch.Tensor, max_tokens: int) -> list[list[int]]:
     """Fewest micro-batches whose real tokens each fit `max_tokens`, balanced by first-fit decreasing
     into the least-loaded bin; more bins are opened only when a sequence fits nowhere."""
-    longest = max(int(lengths_B[i]) for i in indices)
-    if longest > max_tokens:
-        raise ValueError(
-            f"a sequence of {longest} tokens exceeds the micro-batch budget max_token_len_per_rank={max_tokens}"
-        )
+    _check_fits(max(int(lengths_B[i]) for i in indices), max_tokens)
     total = sum(int(lengths_B[i]) for i in indices)
     num_bins = -(-total // max_tokens)
     while True:
