@@ -14,10 +14,11 @@ Held-out greedy accuracy (the long-tailed task's: sampled at temperature 1) on t
 before training, every --eval-every steps and at the end; evaluation is outside the timed steps.
 
 --task long-tail: the same task with responses of long-tailed length, as reasoning runs have (the quick start's
-answers are all a few tokens long, which hides what asynchrony is for): the warm start learns to "think"
-(a run of dots) for a log-normal number of tokens before the sum (median 12, 10% over 64, 1% over 250, at
-most 400; `bench/common.py`), and responses may be 416 tokens long. Contenders: colocated synchronous,
-split at staleness 2, and split at staleness 2 with partial rollouts of --partial-tokens tokens a round.
+answers are all a few tokens long, which hides what asynchrony is for): the warm start (the quick start's, taught
+by 100 more SFT steps) follows the sum with a log-normal number of dots (median 12, 10% over 64, 1% over 250, at
+most 400; `bench/common.py`), and responses may be 416 tokens long. The reward reads the sum, so RL leaves the
+lengths' tail as it is. Contenders: colocated synchronous, split at staleness 2, and split at staleness 2 with
+partial rollouts of --partial-tokens tokens a round.
 --task agent: the agent quick start (configs/agent_quickstart.yaml: "a*b" answered with the calculator tool, 8
 prompts x 8 trajectories of at most 3 model turns a step, the SFT warm start made as `make agent-quickstart`
 makes it when missing; accuracy on 100 held-out prompts), where a trajectory's tool calls run between its turns.
@@ -195,8 +196,8 @@ class Task:
 TASKS = {
     "quickstart": Task("configs/quickstart.yaml", "the quick start (16 prompts x 8 samples, <= 8 response tokens)",
                        ((None, False), *((k, False) for k in STALENESS))),
-    "long-tail": Task("configs/quickstart.yaml", "the long-tailed task (16 prompts x 8 samples, thinking of "
-                      "log-normal length before the answer)", ((None, False), (2, False), (2, True))),
+    "long-tail": Task("configs/quickstart.yaml", "the long-tailed task (16 prompts x 8 samples, the answer "
+                      "followed by dots of log-normal number)", ((None, False), (2, False), (2, True))),
     "agent": Task("configs/agent_quickstart.yaml", "the agent quick start (8 prompts x 8 trajectories, <= 3 model "
                   "turns with the calculator, <= 160 response tokens)", ((None, False), (1, False), (2, True))),
 }
@@ -209,7 +210,7 @@ def workload(args: argparse.Namespace) -> list[str]:
     if args.task != "long-tail":
         return []
     # The KV cache holds every sequence of a step at full length, partial rollouts' groups in flight too.
-    # Greedy decoding "thinks" forever (a dot is always the likeliest next token): validation samples.
+    # Greedy decoding writes dots to the length limit (a dot is always the likeliest next token): validation samples.
     # Micro-batches of a token budget: padding every sequence to the step's longest would make the tail
     # cost training time too.
     return [f"data.train_files=[{LONG_TAIL}/data/train.parquet]", f"data.val_files=[{LONG_TAIL}/data/test.parquet]",
@@ -292,10 +293,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps <= args.warmup_steps:
         sys.exit(f"--steps {args.steps}: none left after --warmup-steps {args.warmup_steps}")
-    from common import ensure_agent_model, ensure_quickstart_model
+    from common import ensure_agent_model, ensure_long_tail_model, ensure_quickstart_model
 
-    model = (ensure_agent_model(OUT) if args.task == "agent"
-             else ensure_quickstart_model(OUT, long_tail=args.task == "long-tail"))
+    model = {"agent": ensure_agent_model, "long-tail": ensure_long_tail_model,
+             "quickstart": ensure_quickstart_model}[args.task](OUT)
     cores = len(os.sched_getaffinity(0))
     results = []
     for nproc in args.nproc:

@@ -2,10 +2,11 @@
 
 - arithmetic: "a+b=" with a, b in [0, max_operand]; the answer is the sum (data_source
   "arithmetic"). Small models learn it within a few RL steps, which makes it a good smoke test.
-  With `thinking` (`LongTail`), each row's warm-start target (extra_info["answer"]) is a run of dots
-  of log-normal length, then the sum: a model warm-started on it answers after "thinking" for a
-  long-tailed number of tokens, as reasoning models do (the workload where asynchronous RL pays;
-  `bench/async_vs_sync.py --task long-tail`). The reward still reads the first integer.
+  With `trailing_dots` (`LongTail`), each row's warm-start target (extra_info["answer"]) is the sum, then
+  a run of dots of log-normal length: a model warm-started on it writes responses of long-tailed length,
+  as reasoning models do (the workload where asynchronous RL pays; `bench/async_vs_sync.py --task
+  long-tail`). The dots come after the answer, which the reward reads (the first integer), so that a tiny
+  model learns the task as it learns the quick start's, and RL leaves the lengths' tail as it is.
 - countdown: reach a target from 3-4 numbers in [1, 50] with + - * / and parentheses, using each
   number at most once (data_source "countdown"). The target is built by folding the numbers with
   random operations, so it is always reachable; the folding expression is kept in
@@ -79,9 +80,9 @@ class LongTail:
 
 
 def make_arithmetic(num_train: int, num_test: int, seed: int, max_operand: int = 499, *,
-                    thinking: LongTail | None = None, out_dir: str | Path) -> tuple[str, str]:
-    """Write `a+b=` tasks to out_dir/{train,test}.parquet; returns (train_path, test_path). `thinking`:
-    warm-start targets of that many dots before the sum."""
+                    trailing_dots: LongTail | None = None, out_dir: str | Path) -> tuple[str, str]:
+    """Write `a+b=` tasks to out_dir/{train,test}.parquet; returns (train_path, test_path). `trailing_dots`:
+    warm-start targets of the sum followed by that many dots."""
     _check_counts(num_train, num_test)
     num_pairs = (max_operand + 1) ** 2
     if num_train + num_test > num_pairs:
@@ -93,7 +94,7 @@ def make_arithmetic(num_train: int, num_test: int, seed: int, max_operand: int =
     rows = []
     for pair in pairs:
         a, b = divmod(pair, max_operand + 1)
-        extra = {"answer": "." * thinking.draw(rng) + f" {a + b}"} if thinking is not None else {}
+        extra = {"answer": f"{a + b} " + "." * trailing_dots.draw(rng)} if trailing_dots is not None else {}
         rows.append(_row(f"{a}+{b}=", "arithmetic", "arithmetic", str(a + b), extra))
     return _write_split(rows, num_test, out_dir)
 
@@ -170,17 +171,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-test", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-operand", type=int, help="arithmetic (default 499) and multiplication (default 99)")
-    parser.add_argument("--thinking-median", type=float, help="arithmetic: warm-start targets think (dots) for a "
-                        "log-normal number of tokens of this median before the sum")
-    parser.add_argument("--thinking-sigma", type=float, default=1.0, help="arithmetic: the log-normal's sigma")
-    parser.add_argument("--thinking-max", type=int, default=200, help="arithmetic: at most this many dots")
+    parser.add_argument("--dots-median", type=float, help="arithmetic: warm-start targets follow the sum with a "
+                        "log-normal number of dots of this median")
+    parser.add_argument("--dots-sigma", type=float, default=1.0, help="arithmetic: the log-normal's sigma")
+    parser.add_argument("--dots-max", type=int, default=200, help="arithmetic: at most this many dots")
     parser.add_argument("--tool-share", type=float, default=0.5, help="multiplication: share of warm-start targets "
                         "that use the calculator")
     args = parser.parse_args(argv)
     if args.task == "arithmetic":
-        thinking = (LongTail(args.thinking_median, args.thinking_sigma, args.thinking_max)
-                    if args.thinking_median else None)
-        paths = make_arithmetic(args.num_train, args.num_test, args.seed, args.max_operand or 499, thinking=thinking,
+        dots = LongTail(args.dots_median, args.dots_sigma, args.dots_max) if args.dots_median else None
+        paths = make_arithmetic(args.num_train, args.num_test, args.seed, args.max_operand or 499, trailing_dots=dots,
                                 out_dir=args.out_dir)
     elif args.task == "multiplication":
         paths = make_multiplication(args.num_train, args.num_test, args.seed, args.tool_share, args.max_operand or 99,

@@ -1,15 +1,16 @@
-"""Synthetic arithmetic and countdown tasks: valid layout, disjoint splits, rewardable answers."""
+"""Synthetic arithmetic and countdown tasks: valid layout, disjoint splits, rewardable answers, long tails."""
 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 
 import pytest
 
 from megarl.data import load_rows
-from megarl.data.synthetic import main, make_arithmetic, make_countdown
+from megarl.data.synthetic import LongTail, main, make_arithmetic, make_countdown
 from megarl.rewards import compute_score
 
 
@@ -30,6 +31,19 @@ def test_arithmetic(tmp_path):
         assert compute_score(r["data_source"], str(a + b + 1), r["reward_model"]["ground_truth"]) == 0.0
     assert test[3]["extra_info"] == {"split": "test", "index": 3}
     assert load_rows([make_arithmetic(200, 50, seed=1, max_operand=20, out_dir=tmp_path / "again")[0]]) == train
+
+
+def test_arithmetic_trailing_dots(tmp_path):
+    """The long-tailed warm start's targets: the rewarded sum, then dots as many as the log-normal draws."""
+    train_path, _ = make_arithmetic(2000, 10, seed=0, trailing_dots=LongTail(12, 1.3, 400), out_dir=tmp_path)
+    dots = []
+    for r in load_rows([train_path]):
+        answer, ground_truth = r["extra_info"]["answer"], r["reward_model"]["ground_truth"]
+        assert answer.startswith(f"{ground_truth} ") and set(answer[len(ground_truth) + 1:]) <= {"."}
+        assert compute_score(r["data_source"], answer, ground_truth) == 1.0
+        dots.append(len(answer) - len(ground_truth) - 1)
+    assert max(dots) <= 400 and 10 <= statistics.median(dots) <= 14
+    assert 0.05 < sum(n > 64 for n in dots) / len(dots) < 0.15  # P(N(0, 1.3) > log(64 / 12)) = 0.099
 
 
 def test_arithmetic_too_many_requested(tmp_path):
