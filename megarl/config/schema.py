@@ -174,7 +174,7 @@ class EngineConfig:
     tokens where sequences are packed (Transformer Engine); where rows are padded to the widest (megatron's
     local layers, as on CPU; rows of a prompt and its responses where prompts are shared) narrow rows go
     together, so that a long tail of response lengths does not pad every short sequence to its length
-    (`megarl.engine.batching`: the colocated update 4.9x faster on the long-tailed bench task, bench/README.md).
+    (`megarl.engine.batching`: the colocated update 4.9x faster on a long-tailed bench task, bench/README.md).
     Off by default: the budget must hold the longest sequence (a longer one stops the step), and a mixture-of-experts
     model's router losses are taken per micro-batch, so its micro-batches' makeup changes them."""
 
