@@ -214,6 +214,9 @@ class Checkpointer:
     def load(self, directory: Path, engines: dict) -> dict:
         """Collective: restore models, optimizers, schedulers and RNGs; returns the trainer state, with the placement's
         under "placement" on rank 0 ({} on the others)."""
+        if not (directory / "placement.pt").is_file():  # every rank stops, before any collective
+            raise CheckpointError(f"{directory}: has no placement.pt (checkpoints saved before 2026-11-27 lack it): "
+                                  "resume from a newer checkpoint, or with the megarl that saved this one")
         state = json.loads((directory / "trainer_state.json").read_text())
         state["placement"] = torch.load(directory / "placement.pt", weights_only=True) if dist.get_rank() == 0 else {}
         for name, engine in engines.items():

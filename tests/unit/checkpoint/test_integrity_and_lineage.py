@@ -32,13 +32,21 @@ def test_checksum_covers_the_first_and_last_mib(tmp_path, size):
     assert checksum(tmp_path / "file") == expected
 
 
-def test_a_shard_truncated_to_zero_bytes_is_skipped_for_the_previouspublish_fake_checkpoint(tmp_path, caplog):
+def test_a_shard_truncated_to_zero_bytes_is_skipped_for_the_previous(tmp_path, caplog):
     publish_fake_checkpoint(tmp_path, 1)
     publish_fake_checkpoint(tmp_path, 2)
     (tmp_path / "global_step_2" / "actor" / "shard.distcp").write_bytes(b"")
     with caplog.at_level(logging.WARNING):
         assert _checkpointer(tmp_path).find("auto", "") == tmp_path / "global_step_1"
     assert "global_step_2: actor/shard.distcp has 0 bytes, 7 when saved" in caplog.text
+
+
+def test_a_checkpoint_without_placement_state_stops_with_its_name(tmp_path):
+    """Checkpoints saved before the placement's state was (2026-11-27) cannot resume: one line says so, on every rank
+    alike, before any collective."""
+    directory = publish_fake_checkpoint(tmp_path, 3)
+    with pytest.raises(CheckpointError, match=rf"^{directory}: has no placement.pt \(checkpoints saved before"):
+        _checkpointer(tmp_path).load(directory, engines={})
 
 
 def test_a_shard_overwritten_in_place_fails_its_checksum(tmp_path, caplog):
