@@ -3,8 +3,8 @@
 - arithmetic: "a+b=" with a, b in [0, max_operand]; the answer is the sum (data_source
   "arithmetic"). Small models learn it within a few RL steps, which makes it a good smoke test.
   With `trailing_dots` (`LongTail`), each row's warm-start target (extra_info["answer"]) is the sum, then
-  a run of dots of log-normal length: a model warm-started on it writes responses of long-tailed length,
-  as reasoning models do (the workload where asynchronous RL pays; `bench/async_vs_sync.py --task
+  a run of dots of log-normal length: a model warm-started on it writes responses whose lengths have a
+  long tail, as reasoning runs' do (the workload where asynchronous RL pays; `bench/async_vs_sync.py --task
   long-tail`). The dots come after the answer, which the reward reads (the first integer), so that a tiny
   model learns the task as it learns the quick start's, and RL leaves the lengths' tail as it is.
 - countdown: reach a target from 3-4 numbers in [1, 50] with + - * / and parentheses, using each
