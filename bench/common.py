@@ -50,9 +50,9 @@ def ensure_quickstart_model(log_dir: Path) -> Path:
 
 def ensure_long_tail_model(log_dir: Path) -> Path:
     """The long-tailed workload's warm start, in outputs/bench/long_tail: the quick start's SFT checkpoint taught
-    by 100 more SFT steps to follow the sum with a long-tailed number of dots (`LONG_TAIL_DOTS`). Made from the
-    base model in the quick start's 400 steps instead, it answers 8% of the held-out prompts (greedy; this one 50%,
-    the quick start's 43%): the dots' tokens crowd the sum out of the loss."""
+    by 100 more SFT steps to follow the sum with a long-tailed number of dots (`LONG_TAIL_DOTS`). It starts from the
+    quick start's checkpoint because from the base model, in the quick start's 400 steps, the dots' tokens crowd
+    the sum out of the loss and the warm start answers few prompts."""
     quickstart = ensure_quickstart_model(log_dir)
     return _ensure_sft_model(LONG_TAIL / "quickstart_sft/hf", log_dir, "long-tailed task", (
         ("make_data", [sys.executable, "-m", "megarl.data.synthetic", "--task", "arithmetic", "--out-dir",
