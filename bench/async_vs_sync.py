@@ -18,12 +18,12 @@ answers are all a few tokens long, which hides what asynchrony is for): the warm
 by 100 more SFT steps) follows the sum with a log-normal number of dots (median 12, 10% over 64, 1% over 250, at
 most 400; `bench/common.py`), and responses may be 416 tokens long. The reward reads the sum, so RL leaves the
 lengths' tail as it is. Contenders: colocated synchronous, split at staleness 2, and split at staleness 2 with
-partial rollouts of --partial-tokens tokens a round.
+partial rollouts.
 --task agent: the agent quick start (configs/agent_quickstart.yaml: "a*b" answered with the calculator tool, 8
 prompts x 8 trajectories of at most 3 model turns a step, the SFT warm start made as `make agent-quickstart`
 makes it when missing; accuracy on 100 held-out prompts), where a trajectory's tool calls run between its turns.
 Contenders: colocated synchronous, split at staleness 1 (whole trajectories) and split at staleness 2 with
-partial rollouts of --partial-tokens model tokens a round. Trained tokens count the environment's tokens in
+partial rollouts. Trained tokens count the environment's tokens in
 each trajectory too (they are in the sequence, out of the loss).
 --seeds N runs every contender with trainer.seed 0 .. N-1 and prints, per contender, the mean training
 seconds to the threshold and the final accuracy with their spread over the seeds.
@@ -58,12 +58,12 @@ STALENESS = (0, 1, 2)
 
 @dataclass(frozen=True)
 class Contender:
-    """One placement at one process count; `staleness` None: colocated synchronous; `partial_tokens`: partial
-    rollouts (split placement); `seed`: trainer.seed (None: the config's)."""
+    """One placement at one process count; `staleness` None: colocated synchronous; `partial`: partial rollouts
+    (split placement); `seed`: trainer.seed (None: the config's)."""
 
     nproc: int
     staleness: int | None
-    partial_tokens: int = 0
+    partial: bool = False
     seed: int | None = None
 
     @property
@@ -71,13 +71,13 @@ class Contender:
         if self.staleness is None:
             return f"colocated {self.nproc}, sync"
         half = self.nproc // 2
-        partial = f", partial {self.partial_tokens}" if self.partial_tokens else ""
+        partial = ", partial" if self.partial else ""
         return f"split {half}+{half}, staleness {self.staleness}{partial}"
 
     @property
     def experiment(self) -> str:
         name = f"colocated_{self.nproc}" if self.staleness is None else f"split_{self.nproc}_k{self.staleness}"
-        return name + (f"_p{self.partial_tokens}" if self.partial_tokens else "") + (
+        return name + ("_partial" if self.partial else "") + (
             f"_seed{self.seed}" if self.seed is not None else "")
 
     def overrides(self) -> list[str]:
@@ -85,7 +85,7 @@ class Contender:
         if self.staleness is None:
             return ["trainer.placement=colocated", *seed]
         return ["trainer.placement=split", f"rollout.num_ranks={self.nproc // 2}",
-                f"trainer.max_staleness={self.staleness}", f"rollout.partial_tokens={self.partial_tokens}", *seed]
+                f"trainer.max_staleness={self.staleness}", f"rollout.partial={str(self.partial).lower()}", *seed]
 
 
 @dataclass
@@ -220,7 +220,7 @@ def workload(args: argparse.Namespace) -> list[str]:
 
 def contenders(nproc: int, args: argparse.Namespace) -> list[Contender]:
     seeds = range(args.seeds) if args.seeds else [None]
-    return [Contender(nproc, k, args.partial_tokens if partial else 0, seed)
+    return [Contender(nproc, k, partial, seed)
             for seed in seeds for k, partial in TASKS[args.task].placements]
 
 
@@ -284,8 +284,6 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=2, help="first steps left out of the per-step numbers")
     parser.add_argument("--threshold", type=float, default=0.5, help="held-out greedy accuracy")
     parser.add_argument("--task", choices=TASKS, default="quickstart", help="the workload (module docstring)")
-    parser.add_argument("--partial-tokens", type=int, default=32,
-                        help="--task long-tail and agent: tokens a round of partial rollouts")
     parser.add_argument("--seeds", type=int, default=0, help="run every contender with trainer.seed 0 .. N-1 "
                         "(0: the config's seed, once)")
     parser.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE",

@@ -139,25 +139,25 @@ def _check_placement(config: RunConfig) -> None:
     trainer, rollout = config.trainer, config.rollout
     _check_choice("trainer.placement", trainer.placement, PLACEMENTS)
     _check_at_least("trainer.max_staleness", trainer.max_staleness, 0)
-    _check_at_least("rollout.partial_tokens", rollout.partial_tokens, 0)
     _check_at_least("rollout.partial_groups", rollout.partial_groups, 0)
-    if rollout.partial_groups and not rollout.partial_tokens:
+    if rollout.partial_groups and not rollout.partial:
         raise ConfigError(f"config key 'rollout.partial_groups' = {rollout.partial_groups} needs "
-                          "rollout.partial_tokens > 0 (partial rollouts); allowed: 0")
+                          "rollout.partial=true (partial rollouts); allowed: 0")
     if trainer.placement == "colocated":
         for key, value in (("rollout.num_ranks", rollout.num_ranks), ("trainer.max_staleness", trainer.max_staleness),
-                           ("rollout.partial_tokens", rollout.partial_tokens)):
+                           ("rollout.partial", rollout.partial)):
             if value:
-                raise ConfigError(f"config key '{key}' = {value} needs trainer.placement=split; allowed: 0")
+                raise ConfigError(f"config key '{key}' = {value} needs trainer.placement=split; allowed: "
+                                  f"{'false' if isinstance(value, bool) else 0}")
         return
     _check_at_least("rollout.num_ranks", rollout.num_ranks, 1)
     if rollout.num_ranks % rollout.tp:
         raise ConfigError(f"config key 'rollout.num_ranks' = {rollout.num_ranks} is not a multiple of rollout.tp = "
                           f"{rollout.tp}; allowed: whole engine replicas")
-    if rollout.partial_tokens and trainer.max_staleness < 1:
-        raise ConfigError(f"config key 'rollout.partial_tokens' = {rollout.partial_tokens} needs trainer.max_staleness "
-                          ">= 1: a response continued on newer weights is older than the step before; allowed: 0 "
-                          "(whole responses) at trainer.max_staleness=0")
+    if rollout.partial and trainer.max_staleness < 1:
+        raise ConfigError("config key 'rollout.partial' = true needs trainer.max_staleness >= 1: a response "
+                          "continued on newer weights is older than the step before; allowed: false (whole "
+                          "responses) at trainer.max_staleness=0")
     unsupported = (
         ("algorithm.filter_groups", config.algorithm.filter_groups),
         ("trainer.async_save", trainer.async_save),

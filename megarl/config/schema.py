@@ -480,16 +480,15 @@ class RolloutConfig:
     """With trainer.placement=split: the last this many ranks of the world host the rollout engines
     (replicas of `tp` ranks) and nothing else; the others train."""
 
-    partial_tokens: int = 0
-    """With trainer.placement=split: partial rollouts. Each engine round generates at most this many more
-    tokens of every unfinished response in flight, and the rollout ranks keep running rounds while the
-    trainer trains; a response left unfinished continues in a later round on whatever weights the engine
-    then holds, so the slowest response no longer sets the step. Every token keeps the policy version that
-    sampled it and its log-prob under that version; a group whose oldest token is more than
+    partial: bool = False
+    """With trainer.placement=split: partial rollouts. The rollout ranks generate continuously while the
+    trainer trains: a step's batch is the first groups to finish, a finished group's place in the engine goes
+    to the next prompt at once, and a response unfinished when new weights arrive leaves the engine for the
+    sync and continues on them, so the slowest response no longer sets the step. Every token keeps the policy
+    version that sampled it and its log-prob under that version; a group whose oldest token is more than
     trainer.max_staleness versions behind is generated anew (`megarl.generation.partial`). With
-    rollout.multi_turn: at most this many more model tokens of every unfinished trajectory's current turn; the
-    environment answers each turn that ends (`megarl.generation.partial_turns`). 0: every batch is generated
-    whole, at once."""
+    rollout.multi_turn: the environment answers each turn as it ends (`megarl.generation.partial_turns`).
+    false: every batch is generated whole, at once."""
 
     partial_groups: int = 0
     """Partial rollouts: prompt groups (a prompt's `n` responses) in flight at once; more keeps the engine's

@@ -1,17 +1,19 @@
-"""Partial rollouts: responses generated a segment at a time, across weight versions (split placement).
+"""Partial rollouts: responses generated continuously, across weight versions (split placement).
 
     partial = PartialRollouts(config, tokenizer, rewards, dataset, sampler, engine)
-    rollouts, indices, metrics = partial.take(step, version)   # B_step, scored: rounds run until it is done
-    partial.fill(step + 1, version)                             # while the trainer trains: the next batch's rounds
+    rollouts, indices, metrics = partial.take(step, version)   # B_step, scored: the engines step until it is done
+    partial.fill(step + 1, version)                             # while the trainer trains: on towards B_(step+1)
+    partial.pause()                                             # before a weight sync
     state = partial.state_dict(); partial.load_state_dict(state)
 
-A round is one engine call over every unfinished response of the groups in flight: each generates at
-most `rollout.partial_tokens` more tokens, as a new request of its prompt followed by its tokens so far,
-so a response continues on the weights the engine holds now (its KV cache recomputed: a weight update
-resets the engine's prefix cache). `rollout.partial_groups` groups (a prompt's `rollout.n` responses;
-default `data.train_batch_size`) are in flight; one that finishes frees its place for the sampler's next
-prompt. The slowest response no longer sets the step: it keeps its place across rounds while short ones
-come and go around it.
+The engines generate continuously (`RolloutEngine.submit` / `step`). `rollout.partial_groups` groups (a
+prompt's `rollout.n` responses; default `data.train_batch_size`) are in flight; one that finishes frees its
+place for the sampler's next prompt at the next engine step, so the engines' batches stay full through the
+long tail and the slowest response no longer sets the step. A response stays in its engine, KV cache and all,
+until it ends or new weights come: the rollout ranks pause before every weight sync (each request leaves the
+engine with its tokens so far) and afterwards each response continues as a new request of its prompt
+followed by those tokens, on the new weights (its KV cache recomputed: a weight update resets the engine's
+prefix cache).
 
 Every token keeps the policy version that sampled it and its log-prob under that version: the behaviour
 policy the trainer's rollout correction divides by, token by token (`megarl.algorithms.rollout_correction`).
@@ -19,20 +21,27 @@ policy the trainer's rollout correction divides by, token by token (`megarl.algo
 Finished groups wait in the order they finished. B_s is the first `train_batch_size` of them whose oldest
 token is at most `trainer.max_staleness` versions behind version s - 1 (what step s may train on); a group
 older than that, waiting or in flight, can never be trained on and is generated anew from its prompt. The
-engine's weights are never older than that bound (`megarl.placement.split`), so the rounds end.
+engine's weights are never older than that bound (`megarl.placement.split`), so the steps end.
 
-Multi-turn trajectories (`rollout.multi_turn`) advance the same way within their current turn; between turns
-the environment answers (`megarl.generation.partial_turns`).
+Engine replicas step in lockstep: after each step every rollout rank learns what each replica's step added,
+so all hold the same responses and make the same decisions; a new request goes to the replica running the
+fewest.
 
-Deterministic: a round's requests and seeds depend only on this state (the m-th segment of response j of
-the a-th prompt admitted samples with `derive_seed(seed, "partial_rollout", step=a, replica=j, draw=m)`),
-and the state is plain values, saved with every checkpoint: a resumed run makes the rounds the
-uninterrupted run made, from the same partial responses.
+Multi-turn trajectories (`rollout.multi_turn`) advance the same way within their current turn; when a turn
+ends the environment answers it and the next turn is submitted (`megarl.generation.partial_turns`).
+
+Deterministic: what the engines are asked depends only on this state and the tokens they return, never on
+time; the m-th request of response j of the a-th prompt admitted samples with `derive_seed(seed,
+"partial_rollout", step=a, replica=j, draw=m)`; and the state is plain values, saved with every checkpoint
+(between two pauses, before the next sync ends every request): a resumed run submits the requests the
+uninterrupted run submitted, from the same partial responses.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
+from typing import NamedTuple
 
 import torch.distributed as dist
 
@@ -40,11 +49,10 @@ from megarl.config.schema import RunConfig
 from megarl.data.prompt_dataset import PromptDataset
 from megarl.data.sampler import ResumableSampler
 from megarl.distributed import collectives
-from megarl.generation.partial_turns import TurnRounds, TurnState
-from megarl.generation.rollouts import (Rollouts, replica_blocks, rollout_sampling, score_generated, share_scores,
-                                        unfilled_rollouts)
+from megarl.generation.partial_turns import TrajectoryTurns, TurnState
+from megarl.generation.rollouts import Rollouts, rollout_sampling, score_generated, share_scores, unfilled_rollouts
 from megarl.rewards import RewardManager
-from megarl.rollout.base import RolloutEngine, RolloutOutput, Sampling
+from megarl.rollout.base import Advance, RolloutEngine, RolloutOutput, Sampling
 from megarl.seeding import derive_seed
 
 
@@ -55,6 +63,7 @@ class Response:
     versions: list[int] = field(default_factory=list)
     """The policy version that sampled each token."""
     segments: int = 0
+    """The engine requests that have generated it (a pause or, multi-turn, a turn's end ends one)."""
     finish_reason: str | None = None
     """"stop" or "length" once finished; None while it is generated."""
     loss_mask: list[int] = field(default_factory=list)
@@ -77,8 +86,16 @@ class Group:
 
     @property
     def oldest_version(self) -> int | None:
-        """The version of its oldest token; None before its first round."""
+        """The version of its oldest token; None before its first."""
         return min((r.versions[0] for r in self.responses if r.versions), default=None)
+
+
+class Request(NamedTuple):
+    """A request in an engine: the response it continues and the replica running it."""
+
+    group: Group
+    sample: int
+    replica: int
 
 
 class PartialRollouts:
@@ -93,24 +110,31 @@ class PartialRollouts:
         self.in_flight: list[Group] = []
         self.finished: list[Group] = []
         self.admitted = 0
-        self.rounds = self.restarted = 0
+        self.engine_steps = self.restarted = 0
         """Since the last batch taken, for its metrics."""
-        self.responses = (TurnRounds(config, tokenizer, rewards) if config.rollout.multi_turn.enable
-                          else ResponseRounds(config, tokenizer, rewards))
-        """What a round does to each response: single-turn, or multi-turn trajectories."""
+        self.responses = (TrajectoryTurns(config, tokenizer, rewards) if config.rollout.multi_turn.enable
+                          else SingleTurns(config, tokenizer, rewards))
+        """What an engine step's tokens do to each response: single-turn, or multi-turn trajectories."""
+        self.running: dict[str, Request] = {}
+        """The requests in the engines, by key."""
+        engine_tp = config.rollout.tp
+        self.replica, self.num_replicas = dist.get_rank() // engine_tp, dist.get_world_size() // engine_tp
+        self.leads_replica = dist.get_rank() % engine_tp == 0
+        self.sampling = self.responses.sampling(
+            replace(rollout_sampling(config, tokenizer.eos_token_id, 0, validation=False), n=1))
 
     def take(self, step: int, version: int) -> tuple[Rollouts, list[int], dict[str, float]]:
         """B_step, scored (every rollout rank holds every response), its prompts' dataset indices and how it
-        was made; rounds run with the engine's weights (`version`) until enough groups are finished."""
+        was made; the engines step with their weights (`version`) until enough groups are finished."""
         self.fill(step, version)
         batch, self.finished = self.finished[:self.batch_size], self.finished[self.batch_size:]
-        metrics = {"rollout/rounds": float(self.rounds), "rollout/restarted_groups": float(self.restarted)}
-        self.rounds = self.restarted = 0
+        metrics = {"rollout/engine_steps": float(self.engine_steps), "rollout/restarted_groups": float(self.restarted)}
+        self.engine_steps = self.restarted = 0
         rollouts = self.responses.scored(batch, self.dataset, self.n, self.config.rollout.tp)
         return rollouts, [group.index for group in batch], metrics
 
     def fill(self, step: int, version: int) -> None:
-        """Run rounds with the engine's weights (`version`) until `train_batch_size` finished groups are young
+        """Step the engines with their weights (`version`) until `train_batch_size` finished groups are young
         enough for step `step`."""
         oldest_allowed = step - 1 - self.config.trainer.max_staleness
         if version < oldest_allowed:
@@ -120,20 +144,44 @@ class PartialRollouts:
             self._restart_older_than(oldest_allowed)
             if len(self.finished) >= self.batch_size:
                 return
-            self.run_round(version)
+            self.advance(version)
+
+    def pause(self) -> None:
+        """Every request out of the engines (before a weight sync); their responses continue as new requests."""
+        self.engine.abort([key for key, request in self.running.items() if request.replica == self.replica])
+        self.running.clear()
 
     def state_dict(self) -> dict:
         return {"sampler": self.sampler.state_dict(), "waiting": list(self.waiting), "admitted": self.admitted,
                 "in_flight": [asdict(group) for group in self.in_flight],
                 "finished": [asdict(group) for group in self.finished],
-                "rounds": self.rounds, "restarted": self.restarted}
+                "engine_steps": self.engine_steps, "restarted": self.restarted}
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state["sampler"])
         self.waiting, self.admitted = list(state["waiting"]), state["admitted"]
-        self.rounds, self.restarted = state["rounds"], state["restarted"]
+        self.engine_steps, self.restarted = state["engine_steps"], state["restarted"]
         self.in_flight, self.finished = _groups(state["in_flight"]), _groups(state["finished"])
         self._restart(self.responses.restore(self.in_flight, self.dataset))
+
+    def advance(self, version: int) -> None:
+        """One step of the engines (with their weights, `version`): groups admitted into free places and every
+        unfinished response that no engine runs submitted first."""
+        self._admit()
+        self._submit()
+        advanced = []
+        for advance in self._step():
+            group, sample, _ = self.running[advance.key]
+            response = group.responses[sample]
+            response.ids += advance.ids
+            response.logprobs += advance.logprobs
+            response.versions += [version] * len(advance.ids)
+            if advance.finish_reason is not None:
+                del self.running[advance.key]
+            advanced.append((group, sample, response, len(advance.ids), advance.finish_reason))
+        self.responses.advanced(advanced, version)
+        self.finished += [group for group in self.in_flight if group.finished]
+        self.in_flight = [group for group in self.in_flight if not group.finished]
 
     def _restart_older_than(self, version: int) -> None:
         """Groups with a token older than `version` start again from their prompts (in their order)."""
@@ -147,6 +195,10 @@ class PartialRollouts:
         again = {group.admission for group in groups}
         self.finished = [group for group in self.finished if group.admission not in again]
         self.in_flight = [group for group in self.in_flight if group.admission not in again]
+        ending = {key: request for key, request in self.running.items() if request.group.admission in again}
+        self.engine.abort([key for key, request in ending.items() if request.replica == self.replica])
+        for key in ending:
+            del self.running[key]
         self.waiting[:0] = [group.index for group in groups]
         self.restarted += len(groups)
         self.responses.release(groups)
@@ -161,51 +213,40 @@ class PartialRollouts:
         self.responses.open(admitted, self.dataset)
         self.in_flight += admitted
 
-    def run_round(self, version: int) -> None:
-        """Every unfinished response of the groups in flight, at most `rollout.partial_tokens` tokens further."""
-        self._admit()
-        segment, seed = self.config.rollout.partial_tokens, self.config.trainer.seed
-        requests = [(group, j, response) for group in self.in_flight for j, response in enumerate(group.responses)
-                    if response.finish_reason is None]
-        output = self._generate(
-            [self.responses.context(group, response, self.dataset) for group, _, response in requests],
-            seeds=[derive_seed(seed, "partial_rollout", step=group.admission, replica=j, draw=response.segments)
-                   for group, j, response in requests],
-            max_tokens=[self.responses.max_tokens(response, segment) for _, _, response in requests])
-        for (_, _, response), ids, logprobs in zip(requests, output.response_ids, output.logprobs):
-            response.ids += ids
-            response.logprobs += logprobs
-            response.versions += [version] * len(ids)
-            response.segments += 1
-        self.responses.advanced([(*request, len(ids), reason) for request, ids, reason
-                                 in zip(requests, output.response_ids, output.finish_reasons)], version)
-        self.finished += [group for group in self.in_flight if group.finished]
-        self.in_flight = [group for group in self.in_flight if not group.finished]
-        self.rounds += 1
+    def _submit(self) -> None:
+        """Every unfinished response of the groups in flight that no engine runs becomes a request, of the
+        replica running the fewest."""
+        running = {(request.group.admission, request.sample) for request in self.running.values()}
+        load = Counter(request.replica for request in self.running.values())
+        seed = self.config.trainer.seed
+        for group in self.in_flight:
+            for j, response in enumerate(group.responses):
+                if response.finish_reason is not None or (group.admission, j) in running:
+                    continue
+                replica = min(range(self.num_replicas), key=lambda r: load[r])
+                load[replica] += 1
+                key = f"{group.admission}.{j}.{response.segments}"
+                self.running[key] = Request(group, j, replica)
+                if replica == self.replica:
+                    self.engine.submit(key, self.responses.context(group, response, self.dataset), replace(
+                        self.sampling, max_tokens=self.responses.max_tokens(response),
+                        seed=derive_seed(seed, "partial_rollout", step=group.admission, replica=j,
+                                         draw=response.segments)))
+                response.segments += 1
 
-    def _generate(self, prompts: list[list[int]], seeds: list[int], max_tokens: list[int]) -> RolloutOutput:
-        """One response per prompt, the prompts dealt to the engine replicas in contiguous blocks; every rank
-        returns all of them."""
-        rank, engine_tp = dist.get_rank(), self.config.rollout.tp
-        start, stop = replica_blocks(len(prompts), engine_tp)[rank // engine_tp]
-        output = RolloutOutput()
-        if stop > start:
-            sampling = replace(rollout_sampling(self.config, self.tokenizer.eos_token_id, 0, validation=False), n=1,
-                               request_seeds=tuple(seeds[start:stop]), request_max_tokens=tuple(max_tokens[start:stop]))
-            output = self.engine.generate(prompts[start:stop], self.responses.sampling(sampling))
-        blocks = collectives.all_gather_object(
-            (output.response_ids, output.logprobs, output.finish_reasons) if rank % engine_tp == 0 else None)
-        gathered = RolloutOutput()
-        for block in filter(None, blocks):
-            gathered.response_ids += block[0]
-            gathered.logprobs += block[1]
-            gathered.finish_reasons += block[2]
-        return gathered
+    def _step(self) -> list[Advance]:
+        """One step of every engine replica: what each added, in replica order, on every rollout rank."""
+        advances = self.engine.step()
+        self.engine_steps += 1
+        if self.num_replicas == 1:
+            return advances  # a replica's ranks return the same
+        blocks = collectives.all_gather_object(advances if self.leads_replica else None)
+        return [advance for block in blocks if block is not None for advance in block]
 
 
-class ResponseRounds:
-    """Single-turn responses' side of a round: a response ends at a stop token or the length limit. (Multi-turn
-    trajectories: `TurnRounds`, with the same methods.)"""
+class SingleTurns:
+    """Single-turn responses' side of partial rollouts: a response ends with its request. (Multi-turn
+    trajectories: `TrajectoryTurns`, with the same methods.)"""
 
     def __init__(self, config: RunConfig, tokenizer, rewards: RewardManager):
         self.tokenizer, self.rewards = tokenizer, rewards
@@ -221,14 +262,14 @@ class ResponseRounds:
         """The request that continues `response`: its prompt and its tokens so far."""
         return dataset[group.index].prompt_ids + response.ids
 
-    def max_tokens(self, response: Response, segment: int) -> int:
-        return min(segment, self.limit - len(response.ids))
+    def max_tokens(self, response: Response) -> int:
+        return self.limit - len(response.ids)
 
-    def advanced(self, advanced: list[tuple[Group, int, Response, int, str]], version: int) -> None:
-        """After a round (each response with its number of new tokens and the engine's finish reason)."""
+    def advanced(self, advanced: list[tuple[Group, int, Response, int, str | None]], version: int) -> None:
+        """After an engine step (each response it advanced, with its number of new tokens and the engine's finish
+        reason: None while its request goes on); a request ends at a stop token or the length limit."""
         for _, _, response, _, reason in advanced:
-            if reason == "stop" or len(response.ids) >= self.limit:
-                response.finish_reason = reason
+            response.finish_reason = reason
 
     def release(self, groups: list[Group]) -> None:
         pass

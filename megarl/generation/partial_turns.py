@@ -1,13 +1,13 @@
-"""Partial rollouts of multi-turn trajectories (`rollout.partial_tokens` with `rollout.multi_turn`): the
-trajectories' side of a round of `megarl.generation.partial`.
+"""Partial rollouts of multi-turn trajectories (`rollout.partial` with `rollout.multi_turn`): the trajectories'
+side of `megarl.generation.partial`.
 
-A round takes every unfinished trajectory at most `rollout.partial_tokens` model tokens further within its
-current turn (a new request of its opening and every token so far, on the weights the engine holds now).
-When the turn ends (the template's end-of-turn token, `max_tokens_per_turn` or the token budget), the
-environment answers it, as in a whole multi-turn rollout (`megarl.agent.trajectories.observe`), and the next
-turn begins in the next round; a trajectory the environment, `max_turns` or the budget ends is finished. So a
-trajectory may span policy versions, within a turn or between turns, and each token says which sampled it
-(the environment's tokens carry the version of the turn they answer; they are out of the loss).
+A trajectory's current turn is one engine request (its opening and every token so far, on the weights the
+engine holds), paused like any other at a weight sync. When the turn ends (the template's end-of-turn token,
+`max_tokens_per_turn` or the token budget), the environment answers it, as in a whole multi-turn rollout
+(`megarl.agent.trajectories.observe`), and the next turn is submitted at the next engine step; a trajectory the
+environment, `max_turns` or the budget ends is finished. So a trajectory may span policy versions, within a
+turn or between turns, and each token says which sampled it (the environment's tokens carry the version of
+the turn they answer; they are out of the loss).
 
 Rollout rank 0 alone holds the environments (one per trajectory, made when its group is admitted) and steps
 them; every rollout rank learns each answer from it, so all hold the same trajectories. The conversations
@@ -55,8 +55,8 @@ class TurnState(Conversation):
     """Where the model's current turn begins in the response."""
 
 
-class TurnRounds:
-    """Multi-turn trajectories' side of a round (`megarl.generation.partial.ResponseRounds`'s methods)."""
+class TrajectoryTurns:
+    """Multi-turn trajectories' side of partial rollouts (`megarl.generation.partial.SingleTurns`'s methods)."""
 
     def __init__(self, config: RunConfig, tokenizer, rewards: RewardManager):
         turns = config.rollout.multi_turn
@@ -97,20 +97,20 @@ class TurnRounds:
         """The request that continues `response`: its trajectory's opening and every token so far."""
         return response.turn.opening + response.ids
 
-    def max_tokens(self, response: Response, segment: int) -> int:
-        """The model tokens the next round may add: `segment`, or fewer where the turn's or the trajectory's
-        budget ends first."""
+    def max_tokens(self, response: Response) -> int:
+        """The model tokens the current turn's request may add: what is left of the turn's or the trajectory's
+        budget, whichever ends first."""
         start = response.turn.start
-        return min(segment, self.limits.turn_budget(start) - (len(response.ids) - start))
+        return self.limits.turn_budget(start) - (len(response.ids) - start)
 
-    def advanced(self, advanced: list[tuple[Group, int, Response, int, str]], version: int) -> None:
-        """After a round (each response with its number of new model tokens and the engine's finish reason): the
-        turns that ended get the environment's answer (rank 0 steps the environments, every rank appends the
-        tokens); a trajectory that ends is finished ("length" when the budget ended it)."""
+    def advanced(self, advanced: list[tuple[Group, int, Response, int, str | None]], version: int) -> None:
+        """After an engine step (each response it advanced, with its number of new model tokens and the engine's
+        finish reason: None while its request goes on): the turns that ended get the environment's answer (rank 0
+        steps the environments, every rank appends the tokens); a trajectory that ends is finished ("length" when
+        the budget ended it)."""
         for _, _, response, new_tokens, _ in advanced:
             response.loss_mask += [1] * new_tokens
-        ended = [(group, j, response, reason) for group, j, response, _, reason in advanced
-                 if self._turn_ended(response, reason)]
+        ended = [(group, j, response, reason) for group, j, response, _, reason in advanced if reason is not None]
         if not ended:
             return
         answers = None
@@ -169,10 +169,6 @@ class TurnRounds:
             stats = trajectory_stats(conversations)
         share_scores(rollouts, output, result, 0, stats)
         return rollouts
-
-    def _turn_ended(self, response: Response, reason: str) -> bool:
-        turn_tokens = len(response.ids) - response.turn.start
-        return reason == "stop" or turn_tokens >= self.limits.turn_budget(response.turn.start)
 
     def _observe(self, group: Group, j: int, response: Response, reason: str) -> tuple[list[int], str | None]:
         """On rank 0: the environment's answer to the turn that just ended, or the trajectory's finish reason."""

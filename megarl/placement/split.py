@@ -22,12 +22,13 @@ that made them are gone. On resume the rollout ranks take back the queue and adv
 past it; the trainer's sampler, saved at step s, checks each received batch's prompts, so a prompt
 lost or repeated across a resume stops the run with the step named.
 
-Partial rollouts (`rollout.partial_tokens`, `megarl.generation.partial`) make B_s of the first groups to
-finish, whichever prompts they came from: the rollout ranks run rounds of a few tokens per response, take
-B_s after the sync to s-1 and, while the trainer trains on it, run the rounds that finish B_(s+1) (in
-place of generating ahead); a response left unfinished continues after the next sync on the newer weights.
-The bound on staleness counts each response's oldest token, every token carries its version, and the
-checkpoint holds the responses in flight and the rollout ranks' sampler (the trainer's goes unused).
+Partial rollouts (`rollout.partial`, `megarl.generation.partial`) make B_s of the first groups to finish,
+whichever prompts they came from: the rollout ranks' engines generate continuously, B_s is taken after the
+sync to s-1 and, while the trainer trains on it, the engines go on towards B_(s+1) (in place of generating
+ahead); before each sync every request leaves the engines, and a response left unfinished continues after it
+on the newer weights. The bound on staleness counts each response's oldest token, every token carries its
+version, and the checkpoint holds the responses in flight and the rollout ranks' sampler (the trainer's goes
+unused).
 
 Multi-turn rollouts (`rollout.multi_turn`) run on the rollout ranks, whole or partial; a batch carries each
 trajectory's opening (its prompt), loss mask and counts.
@@ -91,7 +92,7 @@ class SplitPlacement(Placement):
     def rollouts(self, step: int, timer: PhaseTimer) -> StepRollouts:
         self._sync_to(step - 1, timer)
         # Partial rollouts take prompts as groups finish: the rollout ranks' sampler alone knows which.
-        expected = None if self.config.rollout.partial_tokens else self.inputs.sampler.next_batch()
+        expected = None if self.config.rollout.partial else self.inputs.sampler.next_batch()
         rollouts, metrics = self._receive(step, expected, timer)
         return StepRollouts(rollouts, self.bridge.move, {**metrics, "rollout/filter_rounds": 1.0})
 
@@ -158,7 +159,7 @@ class RolloutWorker:
         self.collector = RolloutCollector(config, inputs.tokenizer, rewards, inputs.rewards)
         self.batches = (PartialBatches(PartialRollouts(config, inputs.tokenizer, rewards, inputs.train_data,
                                                        inputs.sampler, self.engine))
-                        if rollout.partial_tokens else
+                        if rollout.partial else
                         QueuedBatches(config, self.collector, self.engine, inputs, world.num_rollout_ranks))
         self.bridge = BatchBridge(world, inputs.train_data, rollout.n)
         self.engine_version: int | None = None
@@ -201,6 +202,7 @@ class RolloutWorker:
 
     def _sync_to(self, version: int) -> None:
         if version != self.engine_version:
+            self.batches.pause()
             with self._idle():
                 self.last_sync = self.sync.sync(version)
             self.engine_version = version
@@ -244,6 +246,9 @@ class QueuedBatches:
             self.queue.append(self._generate(step, version))
         return self.queue.popleft()
 
+    def pause(self) -> None:
+        pass  # the engine runs nothing between batches
+
     def ahead(self, step: int, version: int) -> None:
         last = min(step + self.config.trainer.max_staleness, self.config.trainer.total_steps)
         while step + 1 + len(self.queue) <= last:
@@ -272,8 +277,8 @@ class QueuedBatches:
 
 class PartialBatches:
     """Partial rollouts (`megarl.generation.partial`): B_step is the first groups to finish; while the trainer
-    trains on it, the rounds that finish B_(step+1) run. The checkpoint holds the responses in flight and the
-    rollout ranks' sampler (the trainer's goes unused)."""
+    trains on it, the engines go on until B_(step+1) is finished too. The checkpoint holds the responses in flight
+    and the rollout ranks' sampler (the trainer's goes unused)."""
 
     def __init__(self, partial: PartialRollouts):
         self.partial = partial
@@ -284,6 +289,9 @@ class PartialBatches:
 
     def ahead(self, step: int, version: int) -> None:
         self.partial.fill(step + 1, version)
+
+    def pause(self) -> None:
+        self.partial.pause()
 
     def state_dict(self) -> dict:
         return {"rollout_partial": self.partial.state_dict()}

@@ -1,4 +1,5 @@
-"""The rollout interface: generate responses for token-id prompts, load new weights.
+"""The rollout interface: generate responses for token-id prompts (a batch at once, or requests advanced an
+engine step at a time), load new weights.
 
 Backends register in `ROLLOUT_BACKENDS` and see weights only as HF-named tensors, handed to
 them by `megarl.resharding`. A backend whose weight load failed part-way refuses to generate until
@@ -57,6 +58,17 @@ class RolloutOutput:
     ran; zeros in a dense layer's rows); empty for dense models."""
 
 
+@dataclass
+class Advance:
+    """What one engine step added to a submitted request (`RolloutEngine.step`)."""
+
+    key: str
+    ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+    """"stop" or "length" when the request ended with this step; None while it goes on."""
+
+
 def routed_experts_shape(hf_config) -> tuple[int, int] | None:
     """(layers, experts per token) of the routing an engine records for a model of this HF config (a
     row per decoder layer, dense first layers included, as megatron numbers its routers); None for a
@@ -69,7 +81,19 @@ class RolloutEngine(Protocol):
     routed_experts_shape: tuple[int, int] | None
     """(layers, experts per token) of the routing each output carries; None for dense models."""
 
-    def generate(self, prompts: list[list[int]], sampling: Sampling) -> RolloutOutput: ...
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> RolloutOutput:
+        """Every response to `prompts`, at once. Refused while submitted requests are in the engine."""
+
+    def submit(self, key: str, prompt: list[int], sampling: Sampling) -> None:
+        """Start one response to `prompt` (seeded and capped as `sampling`'s request 0), which `step` then
+        advances until it ends or is aborted; `key` names it in the advances."""
+
+    def step(self) -> list[Advance]:
+        """One iteration of the engine over the submitted requests: what it added to each request it ran
+        (a token; a request ends on a stop token or its max_tokens)."""
+
+    def abort(self, keys: Iterable[str]) -> None:
+        """Take submitted requests out of the engine, their tokens so far those the steps returned."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the HF-named tensors of one weight update, all in this one call. `weights` may be a

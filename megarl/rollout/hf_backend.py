@@ -24,7 +24,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from megarl import device
-from megarl.rollout.base import ROLLOUT_BACKENDS, RolloutOutput, Sampling, WeightUpdateGuard, routed_experts_shape
+from megarl.rollout.base import (ROLLOUT_BACKENDS, Advance, RolloutOutput, Sampling, WeightUpdateGuard,
+                                 routed_experts_shape)
 
 
 @ROLLOUT_BACKENDS.register("hf")
@@ -33,6 +34,8 @@ class HFRollout:
         self.model = _load_model(model_dir, getattr(torch, dtype), dummy_weights).to(device.compute_device()).eval()
         self.eos_token_id = self.model.generation_config.eos_token_id
         self.guard = WeightUpdateGuard(has_weights=not dummy_weights)
+        self.submitted: dict[str, _Sequence] = {}
+        """The requests `submit` started that have not ended or been aborted, by key."""
         self.places: dict[str, torch.Tensor] | None = None
         """Where the last complete load copied each tensor."""
         self.routed: dict[int, list[torch.Tensor]] = {}  # per MoE layer, the (tokens, k) indices of each forward
@@ -47,18 +50,48 @@ class HFRollout:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> RolloutOutput:
         self.guard.check()
-        stop = set(sampling.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None else set())
+        if self.submitted:
+            raise RuntimeError(f"generate() while {len(self.submitted)} submitted requests are in the engine: "
+                               "abort them first")
         result = RolloutOutput()
         for i, prompt in enumerate(prompts):
             generator = torch.Generator().manual_seed(sampling.seed_of(i))
             for _ in range(sampling.n):
-                ids, logprobs, reason = self._sample(prompt, sampling, sampling.max_tokens_of(i), stop, generator)
-                result.response_ids.append(ids)
-                result.logprobs.append(logprobs)
-                result.finish_reasons.append(reason)
+                sequence = _Sequence(prompt, sampling, sampling.max_tokens_of(i), self._stops(sampling), generator)
+                while sequence.finish_reason is None:
+                    sequence.advance(self.model)
+                result.response_ids.append(sequence.ids)
+                result.logprobs.append(sequence.logprobs)
+                result.finish_reasons.append(sequence.finish_reason)
                 if self.routed:
                     result.routed_experts.append(self._take_routing())
         return result
+
+    def submit(self, key: str, prompt: list[int], sampling: Sampling) -> None:
+        self.guard.check()
+        self.submitted[key] = _Sequence(prompt, sampling, sampling.max_tokens_of(0), self._stops(sampling),
+                                        torch.Generator().manual_seed(sampling.seed_of(0)))
+
+    @torch.no_grad()
+    def step(self) -> list[Advance]:
+        """A token of every submitted request, one after the other."""
+        self.guard.check()
+        advances = []
+        for key, sequence in list(self.submitted.items()):
+            sequence.advance(self.model)
+            advances.append(Advance(key, sequence.ids[-1:], sequence.logprobs[-1:], sequence.finish_reason))
+            if sequence.finish_reason is not None:
+                del self.submitted[key]
+        for forwards in self.routed.values():
+            forwards.clear()  # the routing of interleaved sequences: no response's own
+        return advances
+
+    def abort(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            self.submitted.pop(key, None)
+
+    def _stops(self, sampling: Sampling) -> set[int]:
+        return set(sampling.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None else set())
 
     def _take_routing(self) -> torch.Tensor:
         """(P + R - 1, L, k) int16 experts of the sequence just sampled (every position it fed)."""
@@ -70,25 +103,6 @@ class HFRollout:
         for forwards in self.routed.values():
             forwards.clear()
         return routing
-
-    def _sample(self, prompt, sampling: Sampling, max_tokens: int, stop: set[int], generator):
-        tokens = torch.tensor([prompt], device=self.model.device)
-        ids, logprobs, cache = [], [], None
-        for _ in range(max_tokens):
-            out = self.model(tokens if cache is None else tokens[:, -1:], past_key_values=cache, use_cache=True)
-            cache, logits = out.past_key_values, out.logits[0, -1].float().cpu()
-            if sampling.temperature == 0:
-                token = int(logits.argmax())
-                log_p = torch.log_softmax(logits, -1)
-            else:
-                log_p = torch.log_softmax(_filter(logits / sampling.temperature, sampling), -1)
-                token = int(torch.multinomial(log_p.exp(), 1, generator=generator))
-            ids.append(token)
-            logprobs.append(float(log_p[token]))
-            if token in stop:
-                return ids, logprobs, "stop"
-            tokens = torch.cat([tokens, torch.tensor([[token]], device=tokens.device)], dim=1)
-        return ids, logprobs, "length"
 
     def begin_weight_update(self, step: int, partial: bool = False) -> None:
         self.guard.begin(step)
@@ -116,6 +130,36 @@ class HFRollout:
 
     def shutdown(self) -> None:
         pass
+
+
+class _Sequence:
+    """One response being sampled, a token at a time, with its KV cache."""
+
+    def __init__(self, prompt: list[int], sampling: Sampling, max_tokens: int, stops: set[int], generator):
+        self.prompt, self.sampling, self.generator = prompt, sampling, generator
+        self.max_tokens, self.stops = max_tokens, stops
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish_reason: str | None = None
+        self.cache = None
+
+    def advance(self, model) -> None:
+        """The next token, from the last position's logits (drawn on the CPU)."""
+        fed = self.prompt if self.cache is None else self.ids[-1:]
+        out = model(torch.tensor([fed], device=model.device), past_key_values=self.cache, use_cache=True)
+        self.cache, logits = out.past_key_values, out.logits[0, -1].float().cpu()
+        if self.sampling.temperature == 0:
+            token = int(logits.argmax())
+            log_p = torch.log_softmax(logits, -1)
+        else:
+            log_p = torch.log_softmax(_filter(logits / self.sampling.temperature, self.sampling), -1)
+            token = int(torch.multinomial(log_p.exp(), 1, generator=self.generator))
+        self.ids.append(token)
+        self.logprobs.append(float(log_p[token]))
+        if token in self.stops:
+            self.finish_reason = "stop"
+        elif len(self.ids) >= self.max_tokens:
+            self.finish_reason = "length"
 
 
 _EXPERT = re.compile(r"(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")

@@ -7,6 +7,8 @@ replaces `torch.set_num_threads` with a no-op and freezes the GC (the trainer fr
 once it is done: `megarl.trainer.startup.freeze_start_up_objects`).
 Logprobs are the *processed* ones (after temperature), the distribution tokens were sampled from.
 Responses come back as token ids only (no detokenization: the trainer decodes once, for rewards).
+Partial rollouts drive the engine a step at a time through vLLM's own engine API (`submit`, `step`, `abort`:
+`LLMEngine.add_request`, `step` with each step's new tokens only, `abort_request`).
 On GPU the engine sleeps while the trainer runs (KV cache and weights freed); the trainer wakes
 its weights before a sync and its KV cache after it.
 A mixture-of-experts engine also returns the experts it routed each token to, through a hook on
@@ -32,7 +34,8 @@ import torch.distributed as dist
 
 from megarl import device
 from megarl.rollout import routing_capture
-from megarl.rollout.base import ROLLOUT_BACKENDS, RolloutOutput, Sampling, WeightUpdateGuard, routed_experts_shape
+from megarl.rollout.base import (ROLLOUT_BACKENDS, Advance, RolloutOutput, Sampling, WeightUpdateGuard,
+                                 routed_experts_shape)
 from megarl.rollout.vllm_direct_load import DirectLoader, supports_direct_load
 
 
@@ -165,23 +168,21 @@ class VLLMRollout:
         self.direct_loader: DirectLoader | None = self.llm.collective_rpc(_direct_loader)[0]
         """Set where a weight update can skip vLLM's generic reload (`megarl.rollout.vllm_direct_load`)."""
         self.guard = WeightUpdateGuard(has_weights=not dummy_weights)
+        self.submitted: set[str] = set()
+        """The keys of the requests `submit` started that have not ended or been aborted."""
         tied = self.llm.llm_engine.model_config.hf_config.tie_word_embeddings
         self.partial_update = _PartialUpdate()
         logging.getLogger(_RELOAD_LOGGER).addFilter(_NothingToReload(bool(tied), self.partial_update))
         logging.getLogger(_INPLACE_RELOAD_LOGGER).addFilter(_DerivedAfterLoading(self.partial_update))
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> RolloutOutput:
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import TokensPrompt
 
         self.guard.check()
-        params = [
-            SamplingParams(
-                n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                max_tokens=sampling.max_tokens_of(i), stop_token_ids=list(sampling.stop_token_ids),
-                seed=sampling.seed_of(i), logprobs=0, detokenize=False,
-            )
-            for i in range(len(prompts))
-        ]
+        if self.submitted:
+            raise RuntimeError(f"generate() while {len(self.submitted)} submitted requests are in the engine: "
+                               "abort them first")
+        params = [_sampling_params(sampling, i) for i in range(len(prompts))]
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         result = RolloutOutput()
         request_outputs = self.llm.generate(requests, params, use_tqdm=False)
@@ -190,11 +191,37 @@ class VLLMRollout:
             for completion in sorted(request_output.outputs, key=lambda c: c.index):
                 ids = list(completion.token_ids)
                 result.response_ids.append(ids)
-                result.logprobs.append([step[token].logprob for step, token in zip(completion.logprobs, ids)])
-                result.finish_reasons.append("length" if completion.finish_reason == "length" else "stop")
+                result.logprobs.append(_logprobs(completion, ids))
+                result.finish_reasons.append(_finish_reason(completion))
                 if routing:
                     result.routed_experts.append(routing[(request_output.request_id, completion.index)])
         return result
+
+    def submit(self, key: str, prompt: list[int], sampling: Sampling) -> None:
+        from vllm import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        self.guard.check()
+        params = _sampling_params(sampling, 0, output_kind=RequestOutputKind.DELTA)  # each step's new tokens
+        self.llm.llm_engine.add_request(key, TokensPrompt(prompt_token_ids=list(prompt)), params)
+        self.submitted.add(key)
+
+    def step(self) -> list[Advance]:
+        self.guard.check()
+        advances = []
+        for output in self.llm.llm_engine.step():
+            completion = output.outputs[0]
+            ids = list(completion.token_ids)
+            advances.append(Advance(output.request_id, ids, _logprobs(completion, ids),
+                                    _finish_reason(completion) if output.finished else None))
+            if output.finished:
+                self.submitted.discard(output.request_id)
+        return advances
+
+    def abort(self, keys: Iterable[str]) -> None:
+        keys = [key for key in keys if key in self.submitted]
+        self.llm.llm_engine.abort_request(keys)
+        self.submitted.difference_update(keys)
 
     def _routing_by_request(self) -> dict[tuple[str, int], torch.Tensor]:
         """The routing the last `generate` recorded, by (request id, sample index)."""
@@ -250,6 +277,24 @@ class VLLMRollout:
     def wake_up(self, tags: tuple[str, ...]) -> None:
         if device.sleep_mode():
             self.llm.wake_up(tags=list(tags))
+
+
+def _sampling_params(sampling: Sampling, request: int, **extra):
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+        max_tokens=sampling.max_tokens_of(request), stop_token_ids=list(sampling.stop_token_ids),
+        seed=sampling.seed_of(request), logprobs=0, detokenize=False, **extra,
+    )
+
+
+def _logprobs(completion, ids: list[int]) -> list[float]:
+    return [step[token].logprob for step, token in zip(completion.logprobs, ids)]
+
+
+def _finish_reason(completion) -> str:
+    return "length" if completion.finish_reason == "length" else "stop"
 
 
 def _direct_loader(worker) -> DirectLoader | None:

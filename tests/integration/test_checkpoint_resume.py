@@ -64,11 +64,11 @@ JOBS = {
                        "rollout.backend=hf", "model.dtype=bfloat16"), ("actor",),
                       async_save=False),
     # Partial rollouts of multi-turn trajectories (1 to 3 turns of at most 8 tokens: the environment ends one after
-    # a turn of odd length; turns of varied lengths: most would run to 8 tokens on the other models) continue,
-    # 3 tokens a round, across weight updates.
+    # a turn of odd length; turns of varied lengths: most would run to 8 tokens on the other models) continue
+    # across weight updates.
     "grpo_split_partial": Job("configs/quickstart.yaml", "quickstart_grpo",
                               ("trainer.placement=split", "rollout.num_ranks=1", "trainer.max_staleness=2",
-                               "rollout.partial_tokens=3", "rollout.partial_groups=6", "rollout.n=2",
+                               "rollout.partial=true", "rollout.partial_groups=10", "rollout.n=2",
                                *user_environment.overrides("AnswerSomeTurns")), ("actor",),
                               async_save=False, model="qwen2-varied-lengths"),
     "grpo_lora_ep2": Job("configs/quickstart.yaml", "quickstart_grpo",
@@ -198,10 +198,12 @@ def _kills(name: str, checkpoints: Path) -> list:
     """When and how each launch dies: GRPO-DP2 (and LoRA at EP2) loses its agent during a rollout, then crashes during
     a save; PPO-TP2 crashes during an actor update, then during an asynchronous save (its shards still
     being written while the next step trains)."""
-    if name in ("grpo_split", "grpo_split_partial"):  # the batch of step 3 (2) is queued or in flight: generated
-        # during the update of step 2 (3)
+    if name == "grpo_split":  # the batch of step 3 (2) is queued: generated during the update of step 2 (3)
         return [(lambda launch: launch.phase_began(2, "update_actor"), Launch.crash),
                 (lambda launch: launch.phase_began(3, "update_actor"), Launch.crash)]
+    if name == "grpo_split_partial":  # checkpoints 2 and 3 hold trajectories in flight, some past their first turn
+        return [(lambda launch: launch.phase_began(3, "update_actor"), Launch.crash),
+                (lambda launch: launch.phase_began(4, "update_actor"), Launch.crash)]
     if name in ("grpo_dp2", "grpo_lora_ep2"):
         return [(lambda launch: launch.phase_began(2, "rollout"), lambda launch: launch.kill_agent(checkpoints)),
                 (lambda launch: (checkpoints / ".global_step_3.partial").is_dir(), Launch.crash)]

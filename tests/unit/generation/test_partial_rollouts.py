@@ -24,7 +24,8 @@ from megarl.generation.partial import PartialRollouts
 from megarl.rollout.hf_backend import HFRollout
 from tests.conftest import ROOT
 
-SEGMENT, LIMIT = 2, 6
+FIRST_TOKENS, LIMIT = 2, 6
+"""Engine steps on version 0, and the responses' length limit."""
 
 
 @pytest.fixture
@@ -47,7 +48,7 @@ def test_a_response_spanning_two_versions_keeps_each_tokens_behaviour_logprob(ti
     config = load_config(str(ROOT / "configs/quickstart.yaml"), [
         f"model.path={tiny_models['qwen2-tied']}", f"data.train_files=[{train}]", f"data.val_files=[{test}]",
         "trainer.placement=split", "rollout.num_ranks=1", "trainer.max_staleness=1", "rollout.backend=hf",
-        f"rollout.partial_tokens={SEGMENT}", f"data.max_response_length={LIMIT}", "data.train_batch_size=2",
+        "rollout.partial=true", f"data.max_response_length={LIMIT}", "data.train_batch_size=2",
         "rollout.n=2"])
     inputs = RunInputs.open(config)
     engine = HFRollout(config.model.path, "float32")
@@ -56,7 +57,9 @@ def test_a_response_spanning_two_versions_keeps_each_tokens_behaviour_logprob(ti
     weights[1] = {name: w + 0.2 * torch.randn(w.shape, generator=generator) for name, w in weights[0].items()}
     partial = PartialRollouts(config, inputs.tokenizer, inputs.rewards, inputs.train_data, inputs.sampler, engine)
 
-    partial.run_round(version=0)  # every response's first tokens on version 0
+    for _ in range(FIRST_TOKENS):  # every response's first tokens on version 0
+        partial.advance(version=0)
+    partial.pause()  # as the rollout ranks do before a weight sync
     engine.begin_weight_update(1)
     engine.load_weights(weights[1].items())
     engine.end_weight_update()
@@ -67,9 +70,9 @@ def test_a_response_spanning_two_versions_keeps_each_tokens_behaviour_logprob(ti
     spanning = 0
     for prompt, ids, logprobs, versions in zip(rollouts.prompts, rollouts.response_ids, rollouts.rollout_logprobs,
                                                rollouts.token_versions):
-        first = min(SEGMENT, len(ids))
+        first = min(FIRST_TOKENS, len(ids))
         assert versions == [0] * first + [1] * (len(ids) - first)
-        spanning += len(ids) > SEGMENT
+        spanning += len(ids) > FIRST_TOKENS
         expected = torch.empty(len(ids))
         other = torch.empty(len(ids))
         for version in (0, 1):
@@ -134,7 +137,7 @@ def _multi_turn(tiny_models, tmp_path, environment: str) -> tuple[RunInputs, obj
     config = load_config(str(ROOT / "configs/quickstart.yaml"), [
         f"model.path={tiny_models['qwen2-tied']}", f"data.train_files=[{train}]", f"data.val_files=[{test}]",
         "trainer.placement=split", "rollout.num_ranks=1", "trainer.max_staleness=1", "rollout.backend=hf",
-        f"rollout.partial_tokens={SEGMENT}", "data.train_batch_size=2", "rollout.n=2", "rollout.partial_groups=3",
+        "rollout.partial=true", "data.train_batch_size=2", "rollout.n=2", "rollout.partial_groups=3",
         "rollout.multi_turn.enable=true", "rollout.multi_turn.max_turns=3", "rollout.multi_turn.reward=function",
         "rollout.multi_turn.max_tokens_per_turn=5", "data.max_response_length=76", "data.max_prompt_length=32",
         f"rollout.multi_turn.environment={environment}"])
@@ -154,19 +157,24 @@ def _update(engine: HFRollout, version: int) -> None:
     engine.end_weight_update()
 
 
+ENGINE_STEPS = 8
+"""On version 0, before the save: past the first turns' cap of 5 tokens."""
+
+
 def test_a_multi_turn_trajectory_in_flight_resumes_where_it_was(tiny_models, tmp_path, world_of_one):
-    """Trajectories advance SEGMENT model tokens a round within a turn; the environment answers each ended turn.
+    """Trajectories advance a model token an engine step within a turn; the environment answers each ended turn.
     Saved mid-flight, a new PartialRollouts replays the conversations into new environments and finishes the
     batch exactly as the one never interrupted, on weights updated after the save; an environment that answers
     the replay otherwise has its group generated anew."""
     environment = f"{__file__}:CountTurns"
     inputs, config = _multi_turn(tiny_models, tmp_path, environment)
     partial, engine = _partial(config, inputs)
-    for _ in range(3):
-        partial.run_round(version=0)
+    for _ in range(ENGINE_STEPS):
+        partial.advance(version=0)
     saved = json.loads(json.dumps(partial.state_dict()))  # as a checkpoint holds it
     in_flight = [r for group in saved["in_flight"] for r in group["responses"] if r["finish_reason"] is None]
     assert any(r["turn"]["num_turns"] >= 1 for r in in_flight)  # answered turns to replay
+    partial.pause()
     _update(engine, 1)
     rollouts, indices, _ = partial.take(step=2, version=1)
 
@@ -195,8 +203,8 @@ def test_a_multi_turn_trajectory_in_flight_resumes_where_it_was(tiny_models, tmp
     # An environment that cannot replay: its group starts again from the prompt.
     inputs, config = _multi_turn(tiny_models, tmp_path, f"{__file__}:AnswerDifferentlyOnReplay")
     partial, _ = _partial(config, inputs)
-    for _ in range(3):
-        partial.run_round(version=0)
+    for _ in range(ENGINE_STEPS):
+        partial.advance(version=0)
     saved = json.loads(json.dumps(partial.state_dict()))
     resumed, _ = _partial(config, _multi_turn(tiny_models, tmp_path, f"{__file__}:AnswerDifferentlyOnReplay")[0])
     resumed.load_state_dict(saved)
