@@ -57,6 +57,11 @@ def take_on_worker(worker, num_layers: int, topk: int) -> dict[str, np.ndarray]:
     return routing
 
 
+def forget_on_worker(worker) -> None:
+    """Drop what was recorded since the last call (requests advanced a step at a time, whose routing nothing reads)."""
+    getattr(worker.model_runner, _STEPS).clear()
+
+
 def request_key(internal_id: str) -> tuple[str, int]:
     """(external request id, sample index) of vLLM's internal id: `<external>-<8 random chars>` for a
     request of one sample, `<index>_<external>-<8 random chars>` for sample `index` of several."""

@@ -216,6 +216,8 @@ class VLLMRollout:
                                     _finish_reason(completion) if output.finished else None))
             if output.finished:
                 self.submitted.discard(output.request_id)
+        if self.routed_experts_shape is not None:
+            self.llm.collective_rpc(routing_capture.forget_on_worker)
         return advances
 
     def abort(self, keys: Iterable[str]) -> None:
