@@ -11,7 +11,7 @@ refuses until its first complete load.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Iterable, Protocol, Sized
 
 import torch
 
@@ -127,6 +127,12 @@ class RolloutEngine(Protocol):
 
 
 ROLLOUT_BACKENDS: Registry[type] = Registry("rollout backend")
+
+
+def check_none_submitted(submitted: Sized) -> None:
+    """`generate` runs the engine until it is empty: it would finish, and drop, the requests `submit` started."""
+    if submitted:
+        raise RuntimeError(f"generate() while {len(submitted)} submitted requests are in the engine: abort them first")
 
 
 class WeightUpdateGuard:

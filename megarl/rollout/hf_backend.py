@@ -25,7 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from megarl import device
 from megarl.rollout.base import (ROLLOUT_BACKENDS, Advance, RolloutOutput, Sampling, WeightUpdateGuard,
-                                 routed_experts_shape)
+                                 check_none_submitted, routed_experts_shape)
 
 
 @ROLLOUT_BACKENDS.register("hf")
@@ -50,9 +50,7 @@ class HFRollout:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> RolloutOutput:
         self.guard.check()
-        if self.submitted:
-            raise RuntimeError(f"generate() while {len(self.submitted)} submitted requests are in the engine: "
-                               "abort them first")
+        check_none_submitted(self.submitted)
         result = RolloutOutput()
         for i, prompt in enumerate(prompts):
             generator = torch.Generator().manual_seed(sampling.seed_of(i))

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from megarl import device
 from megarl.rollout import routing_capture
 from megarl.rollout.base import (ROLLOUT_BACKENDS, Advance, RolloutOutput, Sampling, WeightUpdateGuard,
-                                 routed_experts_shape)
+                                 check_none_submitted, routed_experts_shape)
 from megarl.rollout.vllm_direct_load import DirectLoader, supports_direct_load
 
 
@@ -179,9 +179,7 @@ class VLLMRollout:
         from vllm import TokensPrompt
 
         self.guard.check()
-        if self.submitted:
-            raise RuntimeError(f"generate() while {len(self.submitted)} submitted requests are in the engine: "
-                               "abort them first")
+        check_none_submitted(self.submitted)
         params = [_sampling_params(sampling, i) for i in range(len(prompts))]
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         result = RolloutOutput()
