@@ -291,6 +291,14 @@ class ActorConfig(EngineConfig, ParallelConfig):
     it, `actor/moe/routing_agreement` shows how often the two routings agree. The reference model
     routes on its own. Dense models: an error."""
 
+    recompute_old_logprobs: bool = True
+    """The PPO ratio's old log-probs: the trainer's, from a forward pass over the batch before the update
+    (none when the update is one optimizer step: its own forward gives them); false: the rollout engine's,
+    the log-probs of the policy that sampled each token (every token its own version under split placement),
+    and no such pass, as verl's fully asynchronous trainer does. The ratio then carries the engine's numeric
+    difference from the trainer too, so no rollout correction applies (algorithm.rollout_correction.preset
+    must be none) and no mismatch/* nor rollout/entropy is logged."""
+
 
 @dataclass
 class CriticConfig(EngineConfig):

@@ -109,10 +109,11 @@ def mismatch_stats(stats: ShareStats, train_logprobs_BR: torch.Tensor, rollout_l
     stats.add_mean("mismatch/kl", tokens["kl"])
 
 
-def batch_stats(stats: ShareStats, batch: SequenceBatch, entropy_BR: torch.Tensor) -> None:
-    """The policy's entropy on the rollout's tokens, and the share's prompt + response tokens (summed
-    over the shares: the step's)."""
-    stats.add_mean("rollout/entropy", entropy_BR[batch.response_mask_BR > 0])
+def batch_stats(stats: ShareStats, batch: SequenceBatch, entropy_BR: torch.Tensor | None) -> None:
+    """The policy's entropy on the rollout's tokens (None: not computed), and the share's prompt + response
+    tokens (summed over the shares: the step's)."""
+    if entropy_BR is not None:
+        stats.add_mean("rollout/entropy", entropy_BR[batch.response_mask_BR > 0])
     stats.sums["throughput/tokens"] = int(batch.sequence_lengths_B.sum())
 
 

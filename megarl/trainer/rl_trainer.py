@@ -182,13 +182,17 @@ class RLTrainer:
         group_ids_B, num_groups = share.group_ids_B, share.num_groups
         batch = local.to_batch(self.pad_token_id)
         tensors, temperature, seed = batch.response_tensors, self.config.rollout.temperature, self.config.trainer.seed
-        # A single-step actor update computes the old log-probs in its own forward: no scoring pass
-        # (unless the reward's KL or the teacher's needs them first).
-        old_from_update = (self.actor.is_single_step(num_groups) and not self.config.algorithm.use_kl_in_reward
-                           and self.teacher is None)
-        reward_model_values_BR = None
+        # The old log-probs: the engine's (actor.recompute_old_logprobs=false), or the trainer's, which a
+        # single-step actor update computes in its own forward: no scoring pass (unless the reward's KL or the
+        # teacher's needs them first).
+        recompute = self.config.actor.recompute_old_logprobs
+        old_from_update = (recompute and self.actor.is_single_step(num_groups)
+                           and not self.config.algorithm.use_kl_in_reward and self.teacher is None)
+        reward_model_values_BR, scored = None, None
+        if not recompute:
+            tensors.old_logprobs_BR = tensors.rollout_logprobs_BR
         with timer("score"):
-            if not old_from_update:
+            if recompute and not old_from_update:
                 scored = self.actor.score(batch, temperature)
                 tensors.old_logprobs_BR = scored["logprobs"]
             if self.reference is not None:
@@ -225,8 +229,9 @@ class RLTrainer:
                 critic_history, _ = self.critic.update(batch, group_ids_B, num_groups, critic_loss(self.config.critic),
                                                        seed, step)
         rollout_stats(stats, local, batch, scores_B)
-        mismatch_stats(stats, tensors.old_logprobs_BR, tensors.rollout_logprobs_BR, batch.response_mask_BR)
-        batch_stats(stats, batch, scored["entropy"])
+        if recompute:
+            mismatch_stats(stats, tensors.old_logprobs_BR, tensors.rollout_logprobs_BR, batch.response_mask_BR)
+        batch_stats(stats, batch, scored["entropy"] if scored is not None else None)
         metrics = stats.reduce(self.layout.dp_group).values()
         if self.config.algorithm.use_kl_in_reward:
             self.kl_ctrl.update(metrics["actor/reward_kl"], len(made.rollouts))

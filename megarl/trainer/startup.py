@@ -55,6 +55,7 @@ def parse_config(argv: Sequence[str], rl: bool) -> RunConfig:
     validate_batches(config, world_size, rl)
     check_registered_names(config)
     check_rollout_correction_bounds(config)
+    check_old_logprobs_source(config)
     if rl:
         check_estimator_needs(config)
     require(["core", *(["vllm"] if rl and config.rollout.backend == "vllm" else []),  # SFT generates nothing
@@ -126,6 +127,15 @@ def check_rollout_correction_bounds(config: RunConfig) -> None:
             raise ConfigError(f"config key 'algorithm.rollout_correction.{name}' = {value} is not read by preset "
                               f"{correction.preset!r}; allowed: null, or a preset that "
                               f"{'weights' if name == 'cap' else 'rejects'}")
+
+
+def check_old_logprobs_source(config: RunConfig) -> None:
+    """The engine's log-probs as the old policy's leave a rollout correction nothing to correct."""
+    preset = config.algorithm.rollout_correction.preset
+    if not config.actor.recompute_old_logprobs and preset != "none":
+        raise ConfigError(f"config key 'algorithm.rollout_correction.preset' = {preset!r} needs the trainer's old "
+                          "log-probs, and actor.recompute_old_logprobs=false uses the engine's (the ratio to the "
+                          "engine is then 1); allowed: none, or actor.recompute_old_logprobs=true")
 
 
 def check_estimator_needs(config: RunConfig) -> None:

@@ -216,6 +216,23 @@ def test_gdpo_trains_on_two_named_reward_components_at_dp2(tiny_models, arithmet
     assert _values(run, "quickstart_grpo", "advantages/mean") == pytest.approx([0.0] * 3, abs=1e-5)
 
 
+def test_engine_logprobs_serve_as_the_old_policys(tiny_models, arithmetic, tmp_path):
+    # A single-step update's old log-probs are the trainer's own (its forward before the step), so its
+    # ratio is 1 on every token and actor/approx_kl exactly 0; with actor.recompute_old_logprobs=false
+    # they are the engine's, which differ from the trainer's in the last digits (other kernels): the mean
+    # log ratio is not 0, and small. Nothing compares the two, so nothing logs their mismatch.
+    result = torchrun(1, ROOT / "launchers/train_ppo.py", "--config", "configs/quickstart.yaml",
+                      *_overrides(tiny_models["qwen2-tied"], arithmetic, tmp_path, "actor.ppo_mini_batch_size=4",
+                                  "actor.recompute_old_logprobs=false"),
+                      timeout=600)
+    assert_succeeded(result)
+    run = tmp_path / "quickstart_grpo"
+    approx_kl = _values(run, "quickstart_grpo", "actor/approx_kl")
+    assert len(approx_kl) == 2 and all(0 < abs(v) < 1e-3 for v in approx_kl), approx_kl
+    for metric in ("mismatch/kl", "rollout/entropy"):
+        assert _logged(run, "quickstart_grpo", metric) == [], metric
+
+
 def test_opd_at_pp2_with_the_student_as_teacher_has_zero_kl(tiny_models, arithmetic, tmp_path):
     # The teacher is a second model loaded from a copy of the student's weights: it must give every sampled
     # token the student's log-prob (same tokens, same temperature, 0.7 here), so the reverse KL and the

@@ -72,6 +72,16 @@ def test_rollout_correction_preset_is_registered_and_reads_the_bounds_set(monkey
     assert (config.algorithm.rollout_correction.upper, config.algorithm.rollout_correction.cap) == (3.0, 2.5)
 
 
+def test_engine_old_logprobs_refuse_a_rollout_correction(monkeypatch, tiny_models):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    argv = ["--config", "configs/tiny_cpu.yaml", f"model.path={tiny_models['qwen2-tied']}",
+            "actor.recompute_old_logprobs=false"]
+    with pytest.raises(ConfigError, match=r"'algorithm\.rollout_correction\.preset' = 'token_tis' needs the trainer's "
+                                          r"old log-probs, .*allowed: none, or actor\.recompute_old_logprobs=true"):
+        parse_config([*argv, "algorithm.rollout_correction.preset=token_tis"], rl=True)
+    assert not parse_config(argv, rl=True).actor.recompute_old_logprobs
+
+
 def test_split_placement_sizes_the_trainer_side_from_the_ranks_left(monkeypatch, tiny_models):
     """4 ranks, 2 of them rollout ranks: the trainers' TP2 fits the 2 left, TP4 does not; all 4 rollout ranks
     leave no trainer; ReMax's greedy rollouts are refused."""
