@@ -15,22 +15,25 @@ Phases, each priced from first principles:
   the quantiles of a clipped log-normal (deterministic: no sampling), dealt to the engines round
   robin from the longest; the engine holding the longest response decides the phase's time, so a
   long tail costs its length times the latency of a small-batch iteration.
-- Training: 6 x matmul parameters per token plus causal attention, at an MFU; the synchronous
-  baseline also recomputes the old log-probs (a forward pass), as verl's colocated baseline does,
-  while the asynchronous schedules use the engines' log-probs (verl's default there).
+- Training: 6 x matmul parameters per token plus causal attention, at an MFU; before it the trainer
+  recomputes the old log-probs (a forward pass), as verl's colocated baseline and megarl do whenever the
+  update takes several optimizer steps (ASSUMPTION: DAPO's do), unless the engine's log-probs serve
+  (`actor.recompute_old_logprobs=false`; verl's fully asynchronous trainer): [logprob] below.
 - Weight sync: colocated, the weights over NVLink plus the engine's wake-up and sleep; split, a
   pipelined broadcast of the weights from the trainer over one GPU's network link plus the engines'
   weight loading.
 
-Schedules, per step of the same samples on the same G GPUs (steady state):
-- colocated synchronous:            gen(G, 1 batch) + logprob(G) + train(G) + sync_colocated
-- split, staleness 0:               gen(G_r, 1) + logprob(G_t) + train(G_t) + sync_split
-- split, staleness k >= 1:          max(gen(G_r, k batches) / k, train(G_t)) + sync_split / k
-  (the engines generate k batches back to back on one weight version, then drain and sync: the
-  trainer meanwhile trains on the previous k batches, none older than k versions)
-- split, staleness k, partial:      max(gen(G_r, k + 1 batches) / (k + 1), train(G_t)) + sync_split
-  (the engines never drain: a sync pauses the sequences in flight, which continue on the new
-  weights, so up to k + 1 batches are in flight together; ASSUMPTION of this model)
+Schedules, per step of the same samples on the same G GPUs (steady state), as megarl runs them
+(`megarl.placement.split`):
+- colocated synchronous:            gen(G) + [logprob(G)] + train(G) + sync_colocated
+- split, staleness 0:               gen(G_r) + [logprob(G_t)] + train(G_t) + sync_split
+- split, staleness k >= 1:          max(gen(G_r), [logprob(G_t)] + train(G_t)) + sync_split
+  (a whole batch generated while the trainer trains on an earlier one; k bounds how far ahead)
+- split, staleness k, partial:      max(rollout(G_r), [logprob(G_t)] + train(G_t)) + sync_split
+  where rollout() simulates megarl's partial rollouts response by response (`simulate_partial_rollouts`):
+  a step's batch is the first groups to finish, the engine stays full, and the price of carrying the
+  tail across steps is paid where megarl pays it: each response continuing after a sync recomputes its
+  KV cache, and groups older than the bound are generated anew.
 For each, the best split of G into rollout and trainer GPUs (whole nodes) and verl's even split.
 """
 
@@ -38,9 +41,11 @@ from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 import math
+import random
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from statistics import NormalDist
 
 BF16 = 2
@@ -126,6 +131,11 @@ class ResponseLengths:
 
     def mean(self, count: int = 4096) -> float:
         return sum(self.quantiles(count)) / count
+
+    def draw(self, rng: random.Random) -> int:
+        """One length at random (the partial rollouts' simulation draws its responses one by one)."""
+        length = self.median * math.exp(self.sigma * rng.gauss(0.0, 1.0))
+        return min(self.max_length, max(1, round(length)))
 
 
 @dataclass(frozen=True)
@@ -214,14 +224,18 @@ class Pricing:
         per_sequence = (w.prompt_length + w.responses.mean()) * m.kv_bytes_per_token
         return max(1, min(e.max_num_seqs, int(cache // per_sequence)))
 
+    def prefill_seconds(self, contexts: list[int]) -> float:
+        """One engine filling the KV cache of sequences of `contexts` tokens (causal attention)."""
+        m, e, tp = self.model, self.efficiency, self.cluster.engine_tp
+        flops = sum(2 * m.matmul_params * c + m.attention_flops(c / 2) * c for c in contexts)
+        return flops / (tp * self.cluster.gpu.bf16_flops * e.prefill_mfu)
+
     def engine_generation_seconds(self, lengths: list[int]) -> float:
         """One engine generating responses of `lengths` (admission order) with continuous batching:
         prefill, then decode; between two completions the batch is constant and its context grows
         by one token per sequence and iteration (priced at its midpoint)."""
-        m, w, e, tp = self.model, self.workload, self.efficiency, self.cluster.engine_tp
-        prefill_flops = len(lengths) * (2 * m.matmul_params * w.prompt_length
-                                        + m.attention_flops(w.prompt_length / 2) * w.prompt_length)
-        seconds = prefill_flops / (tp * self.cluster.gpu.bf16_flops * e.prefill_mfu)
+        w = self.workload
+        seconds = self.prefill_seconds([w.prompt_length] * len(lengths))
         waiting, limit = deque(lengths), self.max_concurrent()
         running: list[tuple[int, int]] = []  # heap of (iteration it finishes, iteration it was admitted)
         iteration, admitted_sum = 0, 0
@@ -239,11 +253,15 @@ class Pricing:
         return seconds
 
     @functools.lru_cache(maxsize=None)
-    def generation_seconds(self, num_gpus: int, batches: int) -> float:
-        """`batches` steps' responses on `num_gpus` GPUs: the engine dealt the longest ones decides."""
+    def generation_seconds(self, num_gpus: int) -> float:
+        """A step's responses generated whole on `num_gpus` GPUs: the engine dealt the longest ones decides."""
         engines = num_gpus // self.cluster.engine_tp
-        lengths = self.workload.responses.quantiles(batches * self.workload.sequences)
+        lengths = self.workload.responses.quantiles(self.workload.sequences)
         return self.engine_generation_seconds(lengths[::engines])
+
+    @functools.lru_cache(maxsize=None)
+    def partial_rollouts(self, num_gpus: int, staleness: int, keep_kv: bool) -> PartialSteps:
+        return simulate_partial_rollouts(self, num_gpus, staleness, keep_kv)
 
     def forward_flops(self) -> float:
         """One forward pass over one step's sequences (prompt + response), causal attention."""
@@ -270,18 +288,141 @@ class Pricing:
         return self.model.weight_bytes / (gpu.network_bytes_per_s * e.link) + e.engine_load_s
 
 
+@dataclass(eq=False)
+class _Response:
+    length: int
+    """Its tokens once it ends."""
+    group: _Group
+    generated: int = 0
+    """Tokens so far, as of the last pause."""
+
+
+@dataclass(eq=False)
+class _Group:
+    unfinished: int
+    oldest: int | None = None
+    """The policy version of its oldest token; None before it has one."""
+    responses: list[_Response] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PartialSteps:
+    """Partial rollouts' steady state on one engine (`simulate_partial_rollouts`)."""
+
+    seconds: float
+    """Engine seconds per step, KV recomputation included (the rollout ranks wait out the rest of the step)."""
+    recompute_seconds: float
+    """Of which: re-filling the KV cache of the responses that continue after a sync."""
+    restarted: float
+    """Groups generated anew (their tokens thrown away: older than the staleness bound) per group trained."""
+    trained_length: float
+    """Mean length of the responses trained on (the workload's mean: no bias towards short ones)."""
+
+
+def simulate_partial_rollouts(pricing: Pricing, num_gpus: int, staleness: int, keep_kv: bool,
+                              steps: int = 24, warmup: int = 8, seed: int = 0) -> PartialSteps:
+    """megarl's partial rollouts (`megarl.generation.partial`) on one of `num_gpus / engine_tp` identical engines,
+    response by response: `rollout.partial_groups` groups in flight (its default: a step's prompts, dealt over
+    the engines); a finished group's place goes to a new prompt at once; batch j is the first groups to finish
+    (the engine's share of a step's prompts) and is filled while the trainer trains on batch j - 1, with the
+    weights of version j - 2; then the engine waits for the sync to version j - 1, which pauses every request.
+    Groups with a token older than version j - 1 - staleness are generated anew, and, unless `keep_kv` (the
+    engine keeping its requests and their KV cache across a sync: vLLM can, megarl does not), every response
+    that continues after a sync first recomputes the KV cache of its prompt and tokens so far. Response
+    lengths are drawn from the workload's distribution with `seed`; the first `warmup` steps are left out."""
+    w = pricing.workload
+    engines = num_gpus // pricing.cluster.engine_tp
+    share, limit, rng = w.prompts / engines, pricing.max_concurrent(), random.Random(seed)
+    groups_in_flight = max(1, round(share))
+    in_flight: list[_Group] = []
+    finished: deque[_Group] = deque()
+    pending: deque[_Response] = deque()
+    """Responses to (re)submit, in order: those that continue after a pause, then new groups'."""
+    running: list[tuple[int, int, int, _Response]] = []
+    """Heap of (the iteration it ends, the iteration it would have started at with no tokens, its order of
+    submission, response)."""
+    submitted = itertools.count()
+    iteration = offsets = taken = 0
+    seconds = recompute = restarted = trained_tokens = trained_responses = 0.0
+    for batch in range(1, warmup + steps + 1):
+        version, oldest_allowed = max(0, batch - 2), batch - 1 - staleness
+        if batch == warmup + 1:
+            seconds = recompute = restarted = trained_tokens = trained_responses = 0.0
+        stale = {id(g) for g in [*in_flight, *finished] if g.oldest is not None and g.oldest < oldest_allowed}
+        restarted += len(stale)
+        in_flight = [g for g in in_flight if id(g) not in stale]
+        finished = deque(g for g in finished if id(g) not in stale)
+        pending = deque(r for r in pending if id(r.group) not in stale)
+        if batch > 2 and not keep_kv:  # a sync (to version batch - 2) paused what continues now
+            cost = pricing.prefill_seconds([w.prompt_length + r.generated for r in pending if r.generated])
+            seconds, recompute = seconds + cost, recompute + cost
+        wanted = round(batch * share) - taken
+        while len(finished) < wanted:
+            admitted = []
+            while len(in_flight) < groups_in_flight:
+                group = _Group(w.samples)
+                group.responses = [_Response(w.responses.draw(rng), group) for _ in range(w.samples)]
+                in_flight.append(group)
+                admitted += group.responses
+            pending += admitted
+            seconds += pricing.prefill_seconds([w.prompt_length] * len(admitted))
+            while pending and len(running) < limit:
+                response = pending.popleft()
+                if response.group.oldest is None:
+                    response.group.oldest = version
+                start = iteration - response.generated
+                heapq.heappush(running, (start + response.length, start, next(submitted), response))
+                offsets += start
+            end, size = running[0][0], len(running)
+            context = size * (w.prompt_length + (iteration + end) / 2) - offsets
+            seconds += (end - iteration) * pricing.decode_iteration_seconds(size, context)
+            iteration = end
+            while running and running[0][0] == iteration:
+                _, start, _, response = heapq.heappop(running)
+                offsets -= start
+                response.generated = response.length
+                response.group.unfinished -= 1
+                if not response.group.unfinished:
+                    in_flight.remove(response.group)
+                    finished.append(response.group)
+        for _ in range(wanted):
+            group = finished.popleft()
+            trained_tokens += sum(r.length for r in group.responses)
+            trained_responses += len(group.responses)
+        taken += wanted
+        # the pause before the next sync: every running request leaves the engine, first in line to continue
+        paused = sorted(running, key=lambda entry: entry[2])
+        for _, start, _, response in paused:
+            response.generated = iteration - start
+        pending.extendleft(response for *_, response in reversed(paused))
+        running, offsets = [], 0
+    trained_groups = trained_responses / w.samples
+    return PartialSteps(seconds / steps, recompute / steps, restarted / trained_groups,
+                        trained_tokens / trained_responses)
+
+
 @dataclass(frozen=True)
 class Schedule:
     name: str
     staleness: int | None
     """None: colocated synchronous."""
     partial: bool = False
+    recompute_old_logprobs: bool = True
+    """False: the engine's log-probs are the old ones, and the trainer skips its scoring pass."""
+    keep_kv: bool = False
+    """Partial rollouts whose requests keep their KV cache across a sync (not megarl's: it recomputes it)."""
 
 
-SCHEDULES = [Schedule("colocated synchronous", None), Schedule("split, staleness 0", 0),
-             Schedule("split, staleness 1 (one-step off-policy)", 1), Schedule("split, staleness 2", 2),
+SCHEDULES = [Schedule("colocated synchronous", None),
+             Schedule("colocated synchronous, engine's log-probs", None, recompute_old_logprobs=False),
+             Schedule("split, staleness 0", 0),
+             Schedule("split, staleness 1 (one-step off-policy)", 1),
              Schedule("split, staleness 1, partial rollouts", 1, partial=True),
-             Schedule("split, staleness 2, partial rollouts", 2, partial=True)]
+             Schedule("split, staleness 2, partial rollouts", 2, partial=True),
+             Schedule("split, staleness 2, partial, engine's log-probs", 2, partial=True,
+                      recompute_old_logprobs=False),
+             Schedule("(the same, KV kept across syncs: not built)", 2, partial=True, recompute_old_logprobs=False,
+                      keep_kv=True)]
 
 
 @dataclass(frozen=True)
@@ -290,24 +431,27 @@ class Step:
     rollout_busy: float
     """Seconds per step the rollout GPUs compute (generation; colocated: all of the step's phases)."""
     trainer_busy: float
+    partial: PartialSteps | None = None
 
 
 def step(pricing: Pricing, schedule: Schedule, rollout_gpus: int) -> Step:
     """One steady-state step of `schedule`, split placement with `rollout_gpus` of the cluster's GPUs."""
-    total = pricing.cluster.num_gpus
-    if schedule.staleness is None:
-        busy = (pricing.generation_seconds(total, 1) + pricing.logprob_seconds(total, colocated=True)
-                + pricing.train_seconds(total, colocated=True) + pricing.colocated_sync_seconds())
+    colocated = schedule.staleness is None
+    trainer_gpus = pricing.cluster.num_gpus if colocated else pricing.cluster.num_gpus - rollout_gpus
+    train = pricing.train_seconds(trainer_gpus, colocated)
+    if schedule.recompute_old_logprobs:
+        train += pricing.logprob_seconds(trainer_gpus, colocated)
+    if colocated:
+        busy = pricing.generation_seconds(trainer_gpus) + train + pricing.colocated_sync_seconds()
         return Step(busy, busy, busy)
-    trainer_gpus, sync, k = total - rollout_gpus, pricing.split_sync_seconds(), schedule.staleness
-    train = pricing.train_seconds(trainer_gpus, colocated=False)
-    if k == 0:
-        generate = pricing.generation_seconds(rollout_gpus, 1)
-        train += pricing.logprob_seconds(trainer_gpus, colocated=False)
+    sync = pricing.split_sync_seconds()
+    if schedule.partial:
+        partial = pricing.partial_rollouts(rollout_gpus, schedule.staleness, schedule.keep_kv)
+        return Step(max(partial.seconds, train) + sync, partial.seconds, train, partial)
+    generate = pricing.generation_seconds(rollout_gpus)
+    if schedule.staleness == 0:
         return Step(generate + train + sync, generate, train)
-    batches, syncs_per_step = (k + 1, 1.0) if schedule.partial else (k, 1 / k)
-    generate = pricing.generation_seconds(rollout_gpus, batches) / batches
-    return Step(max(generate, train) + sync * syncs_per_step, generate, train)
+    return Step(max(generate, train) + sync, generate, train)
 
 
 def rollout_splits(num_gpus: int) -> list[int]:
@@ -356,27 +500,31 @@ def report(pricing: Pricing, published: Published | None) -> None:
           f"(<= {pricing.max_concurrent()} sequences each); {w.prompts} prompts x {w.samples} responses; training "
           f"MFU {e.train_mfu:g} split, {e.colocated_train_mfu or e.train_mfu:g} colocated")
     n = c.num_gpus
-    print(f"  colocated phases, s: gen {pricing.generation_seconds(n, 1):.1f} "
-          f"({without_tail(pricing).generation_seconds(n, 1):.1f} were every response of the mean length), "
+    print(f"  colocated phases, s: gen {pricing.generation_seconds(n):.1f} "
+          f"({without_tail(pricing).generation_seconds(n):.1f} were every response of the mean length), "
           f"old_log_prob {pricing.logprob_seconds(n, True):.1f}, update_actor {pricing.train_seconds(n, True):.1f}, "
           f"sync {pricing.colocated_sync_seconds():.1f}; split sync {pricing.split_sync_seconds():.1f}")
     if published:
         print("  verl measured, s: colocated " + ", ".join(f"{k} {v}" for k, v in published.colocated.items())
               + f"; fully async at {published.split}: "
               + ", ".join(f"{k} {v}" for k, v in published.fully_async.items()))
-    colocated, even, rows = step(pricing, SCHEDULES[0], 0), n // 2, []
+    baseline, even, rows = step(pricing, SCHEDULES[0], 0).seconds, n // 2, []
     for schedule in SCHEDULES:
         if schedule.staleness is None:
-            rows.append([schedule.name, "-", f"{colocated.seconds:.1f}", "1.00", "", "", "", ""])
+            seconds = step(pricing, schedule, 0).seconds
+            rows.append([schedule.name, "-", f"{seconds:.1f}", f"{baseline / seconds:.2f}", "", "", "", "", ""])
             continue
         at_even = step(pricing, schedule, even)
         best_rollout, best = best_split(pricing, schedule)
+        partial = best.partial
         rows.append([schedule.name, f"{best_rollout}:{n - best_rollout}", f"{best.seconds:.1f}",
-                     f"{colocated.seconds / best.seconds:.2f}", f"{best.rollout_busy:.0f} / {best.trainer_busy:.0f}",
-                     f"{at_even.seconds:.1f}", f"{colocated.seconds / at_even.seconds:.2f}",
+                     f"{baseline / best.seconds:.2f}", f"{best.rollout_busy:.0f} / {best.trainer_busy:.0f}",
+                     f"{partial.recompute_seconds:.0f} / {partial.restarted:.2f} / {partial.trained_length:.0f}"
+                     if partial else "", f"{at_even.seconds:.1f}", f"{baseline / at_even.seconds:.2f}",
                      f"{at_even.rollout_busy:.0f} / {at_even.trainer_busy:.0f}"])
     print_table(["schedule", "best rollout:trainer", "step s", "speed-up", "busy s (gen / train)",
-                 f"step s at {even}:{even}", "speed-up", "busy s (gen / train)"], rows)
+                 "KV recompute s / restarts / length", f"step s at {even}:{even}", "speed-up",
+                 "busy s (gen / train)"], rows)
     if published:
         ratio = published.colocated["step"] / published.fully_async["step"]
         print(f"  published: verl fully_async_policy at {published.split} (staleness_threshold 0.5, partial rollouts): "

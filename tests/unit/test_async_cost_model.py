@@ -1,6 +1,7 @@
 """bench/async_cost_model.py in its limiting case: no tail, no sync cost, no fixed costs, decode
 compute-bound. Then overlapping generation with training gains exactly what the arithmetic says,
-computed here by hand from the FLOPs."""
+computed here by hand from the FLOPs, and partial rollouts (simulated response by response) generate
+each step's groups together, as a whole batch does."""
 
 import pytest
 
@@ -25,7 +26,7 @@ def test_no_tail_no_sync_overlap_gain_is_the_arithmetic():
               network_bytes_per_s=free)
     efficiency = Efficiency(decode_flops=0.5, hbm=1.0, iteration_overhead_s=0.0, prefill_mfu=0.5, train_mfu=0.25,
                             colocated_switch_s=0.0, engine_load_s=0.0, link=1.0)
-    length, prompts, samples, gpus = 100, 4, 4, 16
+    length, prompts, samples, gpus = 100, 16, 4, 16
     workload = Workload(prompts, samples, prompt_length=0, responses=ResponseLengths(length, 0.0, 1000))
     pricing = Pricing(model, workload, Cluster(gpu, gpus), efficiency)
 
@@ -42,11 +43,14 @@ def test_no_tail_no_sync_overlap_gain_is_the_arithmetic():
         flops = 3 * sequences * length * (2 * matmul + 4 * layers * q * length / 2)
         return flops / (num_gpus * peak * 0.25)
 
-    colocated = generate(gpus) + train(gpus) / 3 + train(gpus)  # + the old log-probs' forward pass
-    assert step(pricing, SCHEDULES[0], 0).seconds == pytest.approx(colocated, rel=1e-9)
+    scoring = train(gpus) / 3  # the old log-probs' forward pass
+    assert step(pricing, SCHEDULES[0], 0).seconds == pytest.approx(generate(gpus) + scoring + train(gpus), rel=1e-9)
+    assert step(pricing, SCHEDULES[1], 0).seconds == pytest.approx(generate(gpus) + train(gpus), rel=1e-9)
     half = gpus // 2
-    assert step(pricing, SCHEDULES[1], half).seconds == pytest.approx(
+    assert step(pricing, SCHEDULES[2], half).seconds == pytest.approx(
         generate(half) + train(half) / 3 + train(half), rel=1e-9)
-    overlapped = max(generate(half), train(half))
-    for schedule in SCHEDULES[2:]:  # staleness 1 and 2, with and without partial rollouts: no tail to hide
-        assert step(pricing, schedule, half).seconds == pytest.approx(overlapped, rel=1e-9), schedule.name
+    for schedule in SCHEDULES[3:]:  # staleness 1 and 2, whole batches and partial: no tail to hide
+        trainer = train(half) * (4 / 3 if schedule.recompute_old_logprobs else 1)
+        split = step(pricing, schedule, half)
+        assert split.rollout_busy == pytest.approx(generate(half), rel=1e-9), schedule.name
+        assert split.seconds == pytest.approx(max(generate(half), trainer), rel=1e-9), schedule.name
