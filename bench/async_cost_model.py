@@ -33,7 +33,7 @@ Schedules, per step of the same samples on the same G GPUs (steady state), as me
   where rollout() simulates megarl's partial rollouts response by response (`simulate_partial_rollouts`):
   a step's batch is the first groups to finish, the engine stays full, and the price of carrying the
   tail across steps is paid where megarl pays it: each response continuing after a sync recomputes its
-  KV cache, and groups older than the bound are generated anew.
+  KV cache (unless `rollout.keep_kv`), and groups older than the bound are generated anew.
 For each, the best split of G into rollout and trainer GPUs (whole nodes) and verl's even split.
 """
 
@@ -327,7 +327,7 @@ def simulate_partial_rollouts(pricing: Pricing, num_gpus: int, staleness: int, k
     (the engine's share of a step's prompts) and is filled while the trainer trains on batch j - 1, with the
     weights of version j - 2; then the engine waits for the sync to version j - 1, which pauses every request.
     Groups with a token older than version j - 1 - staleness are generated anew, and, unless `keep_kv` (the
-    engine keeping its requests and their KV cache across a sync: vLLM can, megarl does not), every response
+    requests staying in the engine through the sync, KV cache and all: `rollout.keep_kv`), every response
     that continues after a sync first recomputes the KV cache of its prompt and tokens so far. Response
     lengths are drawn from the workload's distribution with `seed`; the first `warmup` steps are left out."""
     w = pricing.workload
@@ -410,7 +410,8 @@ class Schedule:
     recompute_old_logprobs: bool = True
     """False: the engine's log-probs are the old ones, and the trainer skips its scoring pass."""
     keep_kv: bool = False
-    """Partial rollouts whose requests keep their KV cache across a sync (not megarl's: it recomputes it)."""
+    """Partial rollouts whose requests stay in the engine through a sync, KV cache and all (`rollout.keep_kv`; it
+    still re-prefills them after a checkpoint and before a validation, which this model leaves out)."""
 
 
 SCHEDULES = [Schedule("colocated synchronous", None),
@@ -421,8 +422,8 @@ SCHEDULES = [Schedule("colocated synchronous", None),
              Schedule("split, staleness 2, partial rollouts", 2, partial=True),
              Schedule("split, staleness 2, partial, engine's log-probs", 2, partial=True,
                       recompute_old_logprobs=False),
-             Schedule("(the same, KV kept across syncs: not built)", 2, partial=True, recompute_old_logprobs=False,
-                      keep_kv=True)]
+             Schedule("split, staleness 2, partial, engine's log-probs, KV kept", 2, partial=True,
+                      recompute_old_logprobs=False, keep_kv=True)]
 
 
 @dataclass(frozen=True)

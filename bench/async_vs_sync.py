@@ -26,7 +26,8 @@ Contenders: colocated synchronous, split at staleness 1 (whole trajectories) and
 partial rollouts. Trained tokens count the environment's tokens in
 each trajectory too (they are in the sequence, out of the loss).
 --seeds N runs every contender with trainer.seed 0 .. N-1 and prints, per contender, the mean training
-seconds to the threshold and the final accuracy with their spread over the seeds.
+seconds to the threshold and the final accuracy with their spread over the seeds. --keep-kv adds, after each
+partial rollouts contender, the same with its requests kept in the engine through syncs (`rollout.keep_kv`).
 
 Per contender: tokens/s (response tokens trained, the loss's, over the seconds of the timed steps,
 the first --warmup-steps left out), the trainer's wait for a batch (`timing/wait_for_rollout`), the
@@ -59,25 +60,27 @@ STALENESS = (0, 1, 2)
 @dataclass(frozen=True)
 class Contender:
     """One placement at one process count; `staleness` None: colocated synchronous; `partial`: partial rollouts
-    (split placement); `seed`: trainer.seed (None: the config's)."""
+    (split placement), `keep_kv`: their requests kept in the engine through syncs; `seed`: trainer.seed (None:
+    the config's)."""
 
     nproc: int
     staleness: int | None
     partial: bool = False
     seed: int | None = None
+    keep_kv: bool = False
 
     @property
     def name(self) -> str:
         if self.staleness is None:
             return f"colocated {self.nproc}, sync"
         half = self.nproc // 2
-        partial = ", partial" if self.partial else ""
+        partial = (", partial" if self.partial else "") + (", KV kept" if self.keep_kv else "")
         return f"split {half}+{half}, staleness {self.staleness}{partial}"
 
     @property
     def experiment(self) -> str:
         name = f"colocated_{self.nproc}" if self.staleness is None else f"split_{self.nproc}_k{self.staleness}"
-        return name + ("_partial" if self.partial else "") + (
+        return name + ("_partial" if self.partial else "") + ("_keepkv" if self.keep_kv else "") + (
             f"_seed{self.seed}" if self.seed is not None else "")
 
     def overrides(self) -> list[str]:
@@ -85,7 +88,8 @@ class Contender:
         if self.staleness is None:
             return ["trainer.placement=colocated", *seed]
         return ["trainer.placement=split", f"rollout.num_ranks={self.nproc // 2}",
-                f"trainer.max_staleness={self.staleness}", f"rollout.partial={str(self.partial).lower()}", *seed]
+                f"trainer.max_staleness={self.staleness}", f"rollout.partial={str(self.partial).lower()}",
+                f"rollout.keep_kv={str(self.keep_kv).lower()}", *seed]
 
 
 @dataclass
@@ -126,7 +130,7 @@ def table(results: list[Result], threshold: float, warmup: int) -> list[str]:
     def number(value: float | None, digits: int) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
-    lines = [f"{'contender':34} {'steps':>5} {'tokens/s':>8} {'x sync':>6} {'wait s':>6} {'idle s':>6} "
+    lines = [f"{'contender':40} {'steps':>5} {'tokens/s':>8} {'x sync':>6} {'wait s':>6} {'idle s':>6} "
              f"{'gen s':>6} {f'train s to {threshold:.0%}':>16} {'x sync':>6} {'final':>6} {'process s':>9}"]
     for result in results:
         reference = next(r for r in results if r.colocated and r.nproc == result.nproc and r.seed == result.seed)
@@ -134,7 +138,7 @@ def table(results: list[Result], threshold: float, warmup: int) -> list[str]:
         sooner = reference_reached[1] / reached[1] if reached and reference_reached else None
         to_threshold = f"{reached[1]:.0f} (step {reached[0]})" if reached else "not reached"
         lines.append(
-            f"{result.name:34} {len(result.step_seconds):5} {result.tokens_per_second(warmup):8.0f} "
+            f"{result.name:40} {len(result.step_seconds):5} {result.tokens_per_second(warmup):8.0f} "
             f"{result.tokens_per_second(warmup) / reference.tokens_per_second(warmup):6.2f} "
             f"{number(mean_after(result.trainer_wait, warmup), 3):>6} "
             f"{number(mean_after(result.rollout_idle, warmup), 3):>6} "
@@ -220,8 +224,9 @@ def workload(args: argparse.Namespace) -> list[str]:
 
 def contenders(nproc: int, args: argparse.Namespace) -> list[Contender]:
     seeds = range(args.seeds) if args.seeds else [None]
-    return [Contender(nproc, k, partial, seed)
-            for seed in seeds for k, partial in TASKS[args.task].placements]
+    return [Contender(nproc, k, partial, seed, keep_kv)
+            for seed in seeds for k, partial in TASKS[args.task].placements
+            for keep_kv in ([False, True] if partial and args.keep_kv else [False])]
 
 
 def run_directory(nproc: int, args: argparse.Namespace) -> Path:
@@ -233,7 +238,7 @@ def run_directory(nproc: int, args: argparse.Namespace) -> Path:
 def seed_summary(results: list[Result], threshold: float) -> list[str]:
     """Per contender over its seeds: mean training seconds to `threshold` (when every seed reached it), its
     ratio to colocated synchronous's at the same process count, and the final accuracy's mean and range."""
-    lines = [f"{'contender':34} {'seeds':>5} {f'train s to {threshold:.0%}':>16} {'x sync':>6} {'final %':>8} "
+    lines = [f"{'contender':40} {'seeds':>5} {f'train s to {threshold:.0%}':>16} {'x sync':>6} {'final %':>8} "
              f"{'range':>11}"]
     names = list(dict.fromkeys((r.nproc, r.name) for r in results))
 
@@ -247,7 +252,7 @@ def seed_summary(results: list[Result], threshold: float) -> list[str]:
         seconds = mean_seconds(nproc, name)
         reference = mean_seconds(nproc, next(n for p, n in names if p == nproc and n.startswith("colocated")))
         ratio = f"{reference / seconds:.2f}" if seconds and reference else "-"
-        lines.append(f"{name:34} {len(runs):5} {'not all' if seconds is None else f'{seconds:.0f}':>16} "
+        lines.append(f"{name:40} {len(runs):5} {'not all' if seconds is None else f'{seconds:.0f}':>16} "
                      f"{ratio:>6} {statistics.mean(finals):8.1f} {f'{min(finals):.1f}-{max(finals):.1f}':>11}")
     return lines
 
@@ -263,10 +268,10 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
     print("\n".join(table(results, args.threshold, args.warmup_steps)))
     print("\nheld-out greedy accuracy (%):")
     steps = [s for s, _ in results[0].accuracy]
-    print(f"  {'step':34} " + " ".join(f"{s:>5}" for s in steps))
+    print(f"  {'step':40} " + " ".join(f"{s:>5}" for s in steps))
     for result in results:
         seed = f" seed {result.seed}" if result.seed is not None else ""
-        print(f"  {result.name + seed:34} " + " ".join(f"{100 * a:5.1f}" for _, a in result.accuracy))
+        print(f"  {result.name + seed:40} " + " ".join(f"{100 * a:5.1f}" for _, a in result.accuracy))
     if args.seeds:
         print(f"\nover {args.seeds} seeds:")
         print("\n".join(seed_summary(results, args.threshold)))
@@ -286,6 +291,8 @@ def main() -> None:
     parser.add_argument("--task", choices=TASKS, default="quickstart", help="the workload (module docstring)")
     parser.add_argument("--seeds", type=int, default=0, help="run every contender with trainer.seed 0 .. N-1 "
                         "(0: the config's seed, once)")
+    parser.add_argument("--keep-kv", action="store_true",
+                        help="a contender more for partial rollouts: the same with rollout.keep_kv=true")
     parser.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE",
                         help="config overrides for every contender, e.g. algorithm.rollout_correction.preset=token_tis")
     args = parser.parse_args()

@@ -140,6 +140,9 @@ def _check_placement(config: RunConfig) -> None:
     _check_choice("trainer.placement", trainer.placement, PLACEMENTS)
     _check_at_least("trainer.max_staleness", trainer.max_staleness, 0)
     _check_at_least("rollout.partial_groups", rollout.partial_groups, 0)
+    if rollout.keep_kv and not rollout.partial:
+        raise ConfigError("config key 'rollout.keep_kv' = true needs rollout.partial=true (partial rollouts); "
+                          "allowed: false")
     if rollout.partial_groups and not rollout.partial:
         raise ConfigError(f"config key 'rollout.partial_groups' = {rollout.partial_groups} needs "
                           "rollout.partial=true (partial rollouts); allowed: 0")

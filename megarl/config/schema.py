@@ -502,6 +502,16 @@ class RolloutConfig:
     """Partial rollouts: prompt groups (a prompt's `n` responses) in flight at once; more keeps the engine's
     batch full through the long tail, at the price of older tokens. 0: data.train_batch_size."""
 
+    keep_kv: bool = False
+    """Partial rollouts: a weight sync leaves the requests in the engines with their KV cache, and they go on
+    sampling with the new weights over the cache the old ones computed (in-flight weight updates, as AReaL and
+    PipelineRL make them); false: each request leaves the engine before the sync and continues as a new one
+    whose prompt and tokens so far are prefilled again. Tokens keep the version that sampled them and the
+    engine's log-probs either way, so the rollout correction and the staleness bound hold alike. The sync after
+    a checkpoint and the one before a validation still take the requests out (a resumed run then continues as
+    the uninterrupted one did). vLLM engines run without prefix caching (a cached prefix would outlive the
+    weights that computed it)."""
+
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn (agentic) rollouts: tools, environments, sandbox."""
 

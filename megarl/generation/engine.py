@@ -26,6 +26,8 @@ class EngineSettings:
     seed: int
     bucket_bytes: int
     """Weight-sync bucket size."""
+    prefix_caching: bool = True
+    """Off where requests outlive a weight update (`rollout.keep_kv`): a cached prefix would outlive its weights."""
 
     @classmethod
     def of_run(cls, config: RunConfig, model_path: str | None = None) -> EngineSettings:
@@ -33,7 +35,8 @@ class EngineSettings:
         rollout, data = config.rollout, config.data
         return cls(rollout.backend, model_path or config.model.path, config.model.dtype, rollout.tp,
                    data.max_prompt_length + data.max_response_length, rollout.kv_cache_mib << 20,
-                   rollout.gpu_memory_utilization, config.trainer.seed, rollout.bucket_mib << 20)
+                   rollout.gpu_memory_utilization, config.trainer.seed, rollout.bucket_mib << 20,
+                   prefix_caching=not rollout.keep_kv)
 
 
     @classmethod
@@ -52,4 +55,5 @@ def start_rollout_engine(settings: EngineSettings, dummy_weights: bool) -> Rollo
     return ROLLOUT_BACKENDS.get(settings.backend)(
         settings.model_path, dtype=settings.dtype, tensor_parallel_size=settings.tp,
         max_model_len=settings.max_model_len, kv_cache_bytes=settings.kv_cache_bytes,
-        gpu_memory_utilization=settings.gpu_memory_utilization, seed=settings.seed, dummy_weights=dummy_weights)
+        gpu_memory_utilization=settings.gpu_memory_utilization, seed=settings.seed, dummy_weights=dummy_weights,
+        prefix_caching=settings.prefix_caching)

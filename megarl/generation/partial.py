@@ -3,7 +3,7 @@
     partial = PartialRollouts(config, tokenizer, rewards, dataset, sampler, engine)
     rollouts, indices, metrics = partial.take(step, version)   # B_step, scored: the engines step until it is done
     partial.fill(step + 1, version)                             # while the trainer trains: on towards B_(step+1)
-    partial.pause()                                             # before a weight sync
+    partial.pause(keep)                                         # before a weight sync
     state = partial.state_dict(); partial.load_state_dict(state)
 
 The engines generate continuously (`RolloutEngine.submit` / `step`). `rollout.partial_groups` groups (a
@@ -13,7 +13,8 @@ long tail and the slowest response no longer sets the step. A response stays in 
 until it ends or new weights come: the rollout ranks pause before every weight sync (each request leaves the
 engine with its tokens so far) and afterwards each response continues as a new request of its prompt
 followed by those tokens, on the new weights (its KV cache recomputed: a weight update resets the engine's
-prefix cache).
+prefix cache). With `rollout.keep_kv` a pause may keep the requests instead: they stay in the engine through
+the sync and go on over their cache (`megarl.placement.split` says which syncs).
 
 Every token keeps the policy version that sampled it and its log-prob under that version: the behaviour
 policy the trainer's rollout correction divides by, token by token (`megarl.algorithms.rollout_correction`).
@@ -110,8 +111,9 @@ class PartialRollouts:
         self.in_flight: list[Group] = []
         self.finished: list[Group] = []
         self.admitted = 0
-        self.engine_steps = self.restarted = 0
-        """Since the last batch taken, for its metrics."""
+        self.engine_steps = self.restarted = self.kept = 0
+        """Since the last batch taken, for its metrics: engine steps, groups generated anew, requests kept
+        through a sync (none yet when a checkpoint is taken: a step's syncs come before its batch)."""
         self.responses = (TrajectoryTurns(config, tokenizer, rewards) if config.rollout.multi_turn.enable
                           else SingleTurns(config, tokenizer, rewards))
         """What an engine step's tokens do to each response: single-turn, or multi-turn trajectories."""
@@ -128,8 +130,9 @@ class PartialRollouts:
         was made; the engines step with their weights (`version`) until enough groups are finished."""
         self.fill(step, version)
         batch, self.finished = self.finished[:self.batch_size], self.finished[self.batch_size:]
-        metrics = {"rollout/engine_steps": float(self.engine_steps), "rollout/restarted_groups": float(self.restarted)}
-        self.engine_steps = self.restarted = 0
+        metrics = {"rollout/engine_steps": float(self.engine_steps), "rollout/restarted_groups": float(self.restarted),
+                   "rollout/kept_requests": float(self.kept)}
+        self.engine_steps = self.restarted = self.kept = 0
         rollouts = self.responses.scored(batch, self.dataset, self.n, self.config.rollout.tp)
         return rollouts, [group.index for group in batch], metrics
 
@@ -146,8 +149,12 @@ class PartialRollouts:
                 return
             self.advance(version)
 
-    def pause(self) -> None:
-        """Every request out of the engines (before a weight sync); their responses continue as new requests."""
+    def pause(self, keep: bool) -> None:
+        """Before a weight sync: every request out of the engines, its response to continue as a new request; or,
+        `keep`, every request left in its engine, to go on with the new weights over its KV cache."""
+        if keep:
+            self.kept += len(self.running)
+            return
         self.engine.abort([key for key, request in self.running.items() if request.replica == self.replica])
         self.running.clear()
 

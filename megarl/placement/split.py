@@ -26,9 +26,10 @@ Partial rollouts (`rollout.partial`, `megarl.generation.partial`) make B_s of th
 whichever prompts they came from: the rollout ranks' engines generate continuously, B_s is taken after the
 sync to s-1 and, while the trainer trains on it, the engines go on towards B_(s+1) (in place of generating
 ahead); before each sync every request leaves the engines, and a response left unfinished continues after it
-on the newer weights. The bound on staleness counts each response's oldest token, every token carries its
-version, and the checkpoint holds the responses in flight and the rollout ranks' sampler (the trainer's goes
-unused).
+on the newer weights (with `rollout.keep_kv` the requests stay in the engines through a step's sync, unless a
+checkpoint was taken since the last sync, and through none before a validation). The bound on staleness counts
+each response's oldest token, every token carries its version, and the checkpoint holds the responses in flight
+and the rollout ranks' sampler (the trainer's goes unused).
 
 Multi-turn rollouts (`rollout.multi_turn`) run on the rollout ranks, whole or partial; a batch carries each
 trajectory's opening (its prompt), loss mask and counts.
@@ -176,8 +177,11 @@ class RolloutWorker:
         if self.val_data is not None and trainer.val_before_train and start == 1:
             self._validate(0)
         freeze_start_up_objects()
+        saved = False
         for step in range(start, trainer.total_steps + 1):
-            self._sync_to(step - 1)
+            # The requests stay in the engines through a step's sync (rollout.keep_kv) unless a checkpoint was
+            # taken since the last one: a run resumed from it submits its responses anew, and so does this one.
+            self._sync_to(step - 1, keep_requests=self.config.rollout.keep_kv and not saved)
             with self._generating():
                 batch = self.batches.take(step, version=step - 1)
             with self._idle():
@@ -188,8 +192,8 @@ class RolloutWorker:
             if self.val_data is not None and (step == trainer.total_steps or
                                               (trainer.test_freq and step % trainer.test_freq == 0)):
                 self._validate(step)
-            if trainer.save_freq and (step % trainer.save_freq == 0 or step == trainer.total_steps) and \
-                    self.world.rank == self.world.first_rollout_rank:
+            saved = bool(trainer.save_freq) and (step % trainer.save_freq == 0 or step == trainer.total_steps)
+            if saved and self.world.rank == self.world.first_rollout_rank:
                 with self._idle():
                     self.world.send_object(self.batches.state_dict(), 0)
         self.engine.shutdown()
@@ -200,9 +204,10 @@ class RolloutWorker:
         yield
         self.generate_seconds += time.perf_counter() - start
 
-    def _sync_to(self, version: int) -> None:
+    def _sync_to(self, version: int, keep_requests: bool = False) -> None:
+        """The engines hold `version` afterwards; `keep_requests`: the requests in them stay through the sync."""
         if version != self.engine_version:
-            self.batches.pause()
+            self.batches.pause(keep_requests)
             with self._idle():
                 self.last_sync = self.sync.sync(version)
             self.engine_version = version
@@ -246,7 +251,7 @@ class QueuedBatches:
             self.queue.append(self._generate(step, version))
         return self.queue.popleft()
 
-    def pause(self) -> None:
+    def pause(self, keep: bool) -> None:
         pass  # the engine runs nothing between batches
 
     def ahead(self, step: int, version: int) -> None:
@@ -290,8 +295,8 @@ class PartialBatches:
     def ahead(self, step: int, version: int) -> None:
         self.partial.fill(step + 1, version)
 
-    def pause(self) -> None:
-        self.partial.pause()
+    def pause(self, keep: bool) -> None:
+        self.partial.pause(keep)
 
     def state_dict(self) -> dict:
         return {"rollout_partial": self.partial.state_dict()}

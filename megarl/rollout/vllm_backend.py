@@ -142,11 +142,13 @@ def cpu_block_size(max_model_len: int) -> int:
 @ROLLOUT_BACKENDS.register("vllm")
 class VLLMRollout:
     def __init__(self, model_dir: str, dtype: str, tensor_parallel_size: int, max_model_len: int,
-                 kv_cache_bytes: int, gpu_memory_utilization: float, seed: int, dummy_weights: bool = False):
+                 kv_cache_bytes: int, gpu_memory_utilization: float, seed: int, dummy_weights: bool = False,
+                 prefix_caching: bool = True):
         from transformers import AutoConfig
 
         self.routed_experts_shape = routed_experts_shape(AutoConfig.from_pretrained(model_dir))
         moe = self.routed_experts_shape is not None
+        self.prefix_caching = prefix_caching and not moe
         with _preserve_process_state():
             from vllm import LLM
 
@@ -161,7 +163,7 @@ class VLLMRollout:
                 distributed_executor_backend="external_launcher", enforce_eager=moe or not device.cuda(),
                 max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs",
                 load_format="dummy" if dummy_weights else "auto", attention_config=attention_config(dtype), **memory,
-                **({"enable_prefix_caching": False} if moe else {}),
+                **({} if self.prefix_caching else {"enable_prefix_caching": False}),
             )
         if moe:
             self.llm.collective_rpc(routing_capture.bind_on_worker)
@@ -255,7 +257,8 @@ class VLLMRollout:
             self.llm.collective_rpc(_refresh_lm_head)
         if self.routed_experts_shape is not None:
             self.llm.collective_rpc(_repack_cpu_experts)
-        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        if self.prefix_caching:
+            self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         self.guard.end()
 
     def shutdown(self) -> None:

@@ -16,9 +16,10 @@ rollout rank generated ahead: killed twice while that batch is queued, the resum
 step on exactly the uninterrupted run's prompts, none lost or repeated, and no sample it trains on is
 more than one policy version old. It trains in bf16, whose fp32 norm weights (megatron's torch norm)
 beside bf16 parameters once made the distributed optimizer save each one's Adam state under another's name.
-With partial rollouts of multi-turn trajectories (vLLM engine, staleness 2) the checkpoints resumed hold
-trajectories half generated, whose environments the resumed job replays and which it finishes on the next
-weights exactly as the uninterrupted run did.
+With partial rollouts of multi-turn trajectories (vLLM engine, staleness 2, requests kept in the engine
+through the syncs that follow no checkpoint) the checkpoints resumed hold trajectories half generated, whose
+environments the resumed job replays and which it finishes on the next weights exactly as the uninterrupted
+run did.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class Job:
     engines: tuple[str, ...]
     async_save: bool
     model: str = "qwen2-tied"
+    save_freq: int = 1
 
 
 JOBS = {
@@ -65,12 +67,14 @@ JOBS = {
                       async_save=False),
     # Partial rollouts of multi-turn trajectories (1 to 3 turns of at most 8 tokens: the environment ends one after
     # a turn of odd length; turns of varied lengths: most would run to 8 tokens on the other models) continue
-    # across weight updates.
+    # across weight updates; saved every other step, so the sync before step 4 (none saved at 3) keeps the
+    # requests in the engine, and the one before step 3 takes them out.
     "grpo_split_partial": Job("configs/quickstart.yaml", "quickstart_grpo",
                               ("trainer.placement=split", "rollout.num_ranks=1", "trainer.max_staleness=2",
                                "rollout.partial=true", "rollout.partial_groups=10", "rollout.n=2",
+                               "rollout.keep_kv=true",
                                *user_environment.overrides("AnswerSomeTurns")), ("actor",),
-                              async_save=False, model="qwen2-varied-lengths"),
+                              async_save=False, model="qwen2-varied-lengths", save_freq=2),
     "grpo_lora_ep2": Job("configs/quickstart.yaml", "quickstart_grpo",
                          ("actor.ep=2", "actor.lora.rank=4", "actor.lora.alpha=8"), ("actor",), async_save=False,
                          model="qwen3-moe"),
@@ -86,7 +90,8 @@ def _args(job: Job, model, data, out: Path, *extra: str) -> list[str]:
     train, test = data
     return ["--config", job.config, f"model.path={model}", f"data.train_files=[{train}]",
             f"data.val_files=[{test}]", f"trainer.output_dir={out}", f"trainer.checkpoint_dir={out}/ckpt",
-            f"trainer.total_steps={TOTAL_STEPS}", "trainer.save_freq=1", "trainer.test_freq=0", "trainer.log_freq=1",
+            f"trainer.total_steps={TOTAL_STEPS}", f"trainer.save_freq={job.save_freq}", "trainer.test_freq=0",
+            "trainer.log_freq=1",
             f"data.train_batch_size={TRAIN_BATCH_SIZE}", f"actor.ppo_mini_batch_size={MINI_BATCH_SIZE}",
             "data.max_val_samples=4", "actor.optim.lr=1e-3", f"trainer.async_save={str(job.async_save).lower()}",
             f"reward.function={ROOT / 'tests/integration/user_reward.py'}:compute_score", *job.overrides, *extra]
@@ -189,7 +194,7 @@ def test_every_published_checkpoint_holds_what_its_index_says(uninterrupted, nam
     """Actor and critic saved asynchronously at the same step (PPO) each publish their own tensors."""
     job = JOBS[name]
     checkpoints = _checkpoints(uninterrupted[name][0], job)
-    for step in range(1, TOTAL_STEPS + 1):
+    for step in range(job.save_freq, TOTAL_STEPS + 1, job.save_freq):
         for engine in job.engines:
             assert not _misplaced_tensors(checkpoints / f"global_step_{step}" / engine), (step, engine)
 
@@ -201,7 +206,8 @@ def _kills(name: str, checkpoints: Path) -> list:
     if name == "grpo_split":  # the batch of step 3 (2) is queued: generated during the update of step 2 (3)
         return [(lambda launch: launch.phase_began(2, "update_actor"), Launch.crash),
                 (lambda launch: launch.phase_began(3, "update_actor"), Launch.crash)]
-    if name == "grpo_split_partial":  # checkpoints 2 and 3 hold trajectories in flight, some past their first turn
+    if name == "grpo_split_partial":  # both resume checkpoint 2, which holds trajectories in flight, some past their
+        # first turn; the second dies after step 4's sync kept requests in the engine, which the resumed job redoes
         return [(lambda launch: launch.phase_began(3, "update_actor"), Launch.crash),
                 (lambda launch: launch.phase_began(4, "update_actor"), Launch.crash)]
     if name in ("grpo_dp2", "grpo_lora_ep2"):
@@ -246,6 +252,7 @@ def test_a_job_killed_twice_resumes_bitwise(models, arithmetic, tmp_path, uninte
         assert [version for _, version in trained.values()] == [0, 0, 1, 2]  # staleness 0, then 1: the bound
     if name == "grpo_split_partial":  # some trajectories were continued on newer weights, over several turns
         assert max(uninterrupted[name][1]["rollout/multi_version_responses"].values()) > 0
+        assert max(uninterrupted[name][1]["rollout/kept_requests"].values()) > 0  # through some syncs
         assert max(uninterrupted[name][1]["agent/turns"].values()) > 1
     for engine in job.engines:
         assert _adam_steps(tmp_path, job, engine) == {float(TOTAL_STEPS * TRAIN_BATCH_SIZE // MINI_BATCH_SIZE)}

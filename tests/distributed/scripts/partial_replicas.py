@@ -49,7 +49,7 @@ for step in (1, 2, 3):
     batches.append({"indices": indices, "response_ids": rollouts.response_ids, "logprobs": rollouts.rollout_logprobs,
                     "versions": rollouts.token_versions, "scores": rollouts.scores, "metrics": metrics})
     partial.fill(step + 1, version=step - 1)
-    partial.pause()
+    partial.pause(keep=False)
     generator = torch.Generator().manual_seed(step)  # the same new weights on every replica, as a sync brings
     engine.begin_weight_update(step)
     engine.load_weights([(name, p.detach() + 0.1 * torch.randn(p.shape, generator=generator))

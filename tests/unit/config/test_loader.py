@@ -118,6 +118,8 @@ BAD_CONFIGS = [
     bad("partial rollouts at staleness 0", None, [P, "trainer.placement=split", "rollout.num_ranks=1",
                                                   "rollout.partial=true"], "'rollout.partial' = true",
         "trainer.max_staleness >= 1"),
+    bad("requests kept without partial rollouts", None, [P, "rollout.keep_kv=true"], "'rollout.keep_kv' = true",
+        "rollout.partial=true", "allowed: false"),
     bad("rollout correction cap below 1", None, [P, "algorithm.rollout_correction.cap=0.5"],
         "'algorithm.rollout_correction.cap' = 0.5", "numbers >= 1", "or null"),
     bad("rollout correction lower at 1", None, [P, "algorithm.rollout_correction.lower=1.0"],

@@ -1,8 +1,9 @@
 """Partial rollouts across a weight update: a response begun on version 0 and finished on version 1 keeps,
 token by token, the version that sampled it and its log-prob under that version, and the trainer's
 importance weights divide by exactly those. Checked against full forward passes of each version's
-weights (not the engine's incremental decoding), on the `hf` engine in a world of one process. Multi-turn
-trajectories in flight resume from a saved state exactly, their environments replayed."""
+weights (not the engine's incremental decoding), on the `hf` engine in a world of one process. Requests kept
+in the engine through the update (`rollout.keep_kv`) go on over the KV cache the old weights computed.
+Multi-turn trajectories in flight resume from a saved state exactly, their environments replayed."""
 
 from __future__ import annotations
 
@@ -43,7 +44,9 @@ def _logprobs(model, prompt: list[int], response: list[int], temperature: float)
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(response)[:, None])[:, 0]
 
 
-def test_a_response_spanning_two_versions_keeps_each_tokens_behaviour_logprob(tiny_models, tmp_path, world_of_one):
+def _across_an_update(tiny_models, tmp_path, keep: bool):
+    """Responses begun on version 0 (random weights 0.2 away) and finished on version 1, the requests kept
+    through the weight update or not; the engine is left at version 1."""
     train, test = make_arithmetic(16, 4, seed=0, out_dir=tmp_path)
     config = load_config(str(ROOT / "configs/quickstart.yaml"), [
         f"model.path={tiny_models['qwen2-tied']}", f"data.train_files=[{train}]", f"data.val_files=[{test}]",
@@ -59,13 +62,18 @@ def test_a_response_spanning_two_versions_keeps_each_tokens_behaviour_logprob(ti
 
     for _ in range(FIRST_TOKENS):  # every response's first tokens on version 0
         partial.advance(version=0)
-    partial.pause()  # as the rollout ranks do before a weight sync
+    partial.pause(keep)  # as the rollout ranks do before a weight sync
     engine.begin_weight_update(1)
     engine.load_weights(weights[1].items())
     engine.end_weight_update()
-    rollouts, indices, _ = partial.take(step=2, version=1)  # finished on version 1
-
+    rollouts, indices, metrics = partial.take(step=2, version=1)  # finished on version 1
     assert len(rollouts) == 4 and len(set(indices)) == 2
+    return config, inputs, engine, weights, rollouts, metrics
+
+
+def test_a_response_spanning_two_versions_keeps_each_tokens_behaviour_logprob(tiny_models, tmp_path, world_of_one):
+    config, inputs, engine, weights, rollouts, metrics = _across_an_update(tiny_models, tmp_path, keep=False)
+    assert metrics["rollout/kept_requests"] == 0
     temperature = config.rollout.temperature
     spanning = 0
     for prompt, ids, logprobs, versions in zip(rollouts.prompts, rollouts.response_ids, rollouts.rollout_logprobs,
@@ -102,6 +110,33 @@ def test_a_response_spanning_two_versions_keeps_each_tokens_behaviour_logprob(ti
         ratio_T = (train_BR[row, :len(versions)][old_T] - torch.tensor(rollouts.rollout_logprobs[row])[old_T]).exp()
         torch.testing.assert_close(weights_T[old_T], ratio_T.clamp(max=2.0), rtol=1e-4, atol=1e-5)
         assert not math.isclose(float(weights_T[old_T].min()), 1.0, abs_tol=1e-3)
+
+
+def test_requests_kept_through_an_update_go_on_over_their_cache(tiny_models, tmp_path, world_of_one):
+    # rollout.keep_kv: the requests stay in the engine through the weight update, so each token version 1
+    # samples comes from version 1's weights over the KV cache version 0 computed for the tokens before the
+    # update: checked against one forward pass of version 1 over the continuation, fed version 0's cache.
+    config, inputs, engine, weights, rollouts, metrics = _across_an_update(tiny_models, tmp_path, keep=True)
+    temperature = config.rollout.temperature
+    continued = [i for i, ids in enumerate(rollouts.response_ids) if len(ids) > FIRST_TOKENS]
+    assert metrics["rollout/kept_requests"] == len(continued) >= 2
+    for row in continued:
+        prompt, ids = rollouts.prompts[row].prompt_ids, rollouts.response_ids[row]
+        assert rollouts.token_versions[row] == [0] * FIRST_TOKENS + [1] * (len(ids) - FIRST_TOKENS)
+        with torch.no_grad():
+            for name, param in engine.model.named_parameters():
+                param.copy_(weights[0][name])
+            # the cache version 0 left: the prompt and every token it sampled but the last (not yet fed)
+            cache = engine.model(torch.tensor([prompt + ids[:FIRST_TOKENS - 1]]), use_cache=True).past_key_values
+            for name, param in engine.model.named_parameters():
+                param.copy_(weights[1][name])
+            logits = engine.model(torch.tensor([ids[FIRST_TOKENS - 1:-1]]), past_key_values=cache).logits[0]
+        expected = torch.log_softmax(logits.float() / temperature, -1).gather(
+            1, torch.tensor(ids[FIRST_TOKENS:])[:, None])[:, 0]
+        kept = torch.tensor(rollouts.rollout_logprobs[row][FIRST_TOKENS:])
+        torch.testing.assert_close(kept, expected, rtol=0, atol=1e-4)
+        recomputed = _logprobs(engine.model, prompt, ids, temperature)[FIRST_TOKENS:]
+        assert (kept - recomputed).abs().max() > 1e-2  # not what a request prefilled anew would give
 
 
 class CountTurns:
@@ -174,7 +209,7 @@ def test_a_multi_turn_trajectory_in_flight_resumes_where_it_was(tiny_models, tmp
     saved = json.loads(json.dumps(partial.state_dict()))  # as a checkpoint holds it
     in_flight = [r for group in saved["in_flight"] for r in group["responses"] if r["finish_reason"] is None]
     assert any(r["turn"]["num_turns"] >= 1 for r in in_flight)  # answered turns to replay
-    partial.pause()
+    partial.pause(keep=False)
     _update(engine, 1)
     rollouts, indices, _ = partial.take(step=2, version=1)
 
