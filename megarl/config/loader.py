@@ -143,6 +143,11 @@ def _check_placement(config: RunConfig) -> None:
     if rollout.keep_kv and not rollout.partial:
         raise ConfigError("config key 'rollout.keep_kv' = true needs rollout.partial=true (partial rollouts); "
                           "allowed: false")
+    for key, value in (("trainer.save_freq", trainer.save_freq), ("trainer.test_freq", trainer.test_freq)):
+        if rollout.keep_kv and value == 1:
+            raise ConfigError(f"config key 'rollout.keep_kv' = true keeps no request with {key}=1: every sync then "
+                              "follows a checkpoint or precedes a validation, which take the requests out; allowed: "
+                              f"false, or {key} of 0 or >= 2")
     if rollout.partial_groups and not rollout.partial:
         raise ConfigError(f"config key 'rollout.partial_groups' = {rollout.partial_groups} needs "
                           "rollout.partial=true (partial rollouts); allowed: 0")
