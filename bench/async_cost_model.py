@@ -230,10 +230,16 @@ class Pricing:
         flops = sum(2 * m.matmul_params * c + m.attention_flops(c / 2) * c for c in contexts)
         return flops / (tp * self.cluster.gpu.bf16_flops * e.prefill_mfu)
 
+    def decode_seconds(self, batch: int, starts: int, begin: int, end: int) -> float:
+        """Decode iterations `begin` to `end` of one engine whose `batch` sequences stay the same: a sequence that
+        would have had no token at iteration a holds the prompt and x - a tokens at iteration x (`starts`: the
+        sum of their a), so the context grows by one token per sequence and iteration (priced at its midpoint)."""
+        context = batch * (self.workload.prompt_length + (begin + end) / 2) - starts
+        return (end - begin) * self.decode_iteration_seconds(batch, context)
+
     def engine_generation_seconds(self, lengths: list[int]) -> float:
         """One engine generating responses of `lengths` (admission order) with continuous batching:
-        prefill, then decode; between two completions the batch is constant and its context grows
-        by one token per sequence and iteration (priced at its midpoint)."""
+        prefill, then decode (`decode_seconds` between two completions)."""
         w = self.workload
         seconds = self.prefill_seconds([w.prompt_length] * len(lengths))
         waiting, limit = deque(lengths), self.max_concurrent()
@@ -243,10 +249,8 @@ class Pricing:
             while waiting and len(running) < limit:
                 heapq.heappush(running, (iteration + waiting.popleft(), iteration))
                 admitted_sum += iteration
-            end, batch = running[0][0], len(running)
-            # a sequence admitted at iteration a holds prompt + (x - a) tokens at iteration x
-            context = batch * (w.prompt_length + (iteration + end) / 2) - admitted_sum
-            seconds += (end - iteration) * self.decode_iteration_seconds(batch, context)
+            end = running[0][0]
+            seconds += self.decode_seconds(len(running), admitted_sum, iteration, end)
             iteration = end
             while running and running[0][0] == iteration:
                 admitted_sum -= heapq.heappop(running)[1]
@@ -373,9 +377,8 @@ def simulate_partial_rollouts(pricing: Pricing, num_gpus: int, staleness: int, k
                 start = iteration - response.generated
                 heapq.heappush(running, (start + response.length, start, next(submitted), response))
                 offsets += start
-            end, size = running[0][0], len(running)
-            context = size * (w.prompt_length + (iteration + end) / 2) - offsets
-            seconds += (end - iteration) * pricing.decode_iteration_seconds(size, context)
+            end = running[0][0]
+            seconds += pricing.decode_seconds(len(running), offsets, iteration, end)
             iteration = end
             while running and running[0][0] == iteration:
                 _, start, _, response = heapq.heappop(running)
