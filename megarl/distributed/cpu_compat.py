@@ -7,8 +7,10 @@ CUDA only the two that stand in for what Transformer Engine or Apex would provid
 `torch_norm_sequence_parallel`: `Bridge.on_cuda`) are: megatron's local layers need them there too, with
 `model.layer_spec=local` or when TE does not import.
 
-Besides the bridges, `faster_collectives` makes two changes for speed on CPU, which megatron on GPU would
-not need:
+Besides the bridges, two functions make changes for speed on CPU, which megatron on GPU would not need.
+`faster_matmuls`: megatron's linear layers multiply through `megarl.kernels.cpu_matmul` (oneDNN on the
+CPUs where torch's float32 product runs at half speed), the forward's `torch.matmul` through the view
+and the backward's `Tensor.matmul` for the duration of the backward. `faster_collectives`:
 - megatron's blocking all-reduces (the grad norm, the TP all-reduces of activations) go through
   `megarl.distributed.collectives`: shared memory where the group's ranks share a host, since small
   tensors over gloo cost its latency.
@@ -44,6 +46,7 @@ import torch
 from megarl import device
 from megarl.distributed import collectives
 from megarl.distributed.shared_memory import SUPPORTED_DTYPES, shared_memory_group
+from megarl.kernels import cpu_matmul
 
 # Entry points whose imports pull in every megatron module that assumes CUDA; after importing
 # them, each loaded `megatron.core` module gets the view as its `torch` global.
@@ -394,6 +397,14 @@ def faster_collectives(view) -> None:
     buffers.dist_all_gather_func = _all_gather_in_place(buffers.dist_all_gather_func)
 
 
+def faster_matmuls(view) -> None:
+    """megatron's linear layers' products through `cpu_matmul` (module docstring)."""
+    view.matmul = cpu_matmul.matmul
+    layers = sys.modules["megatron.core.tensor_parallel.layers"]
+    for function in (layers.LinearWithGradAccumulationAndAsyncCommunication, layers.LinearWithFrozenWeight):
+        _wrap_with(function, "backward", lambda: _patched(torch.Tensor, "matmul", cpu_matmul.matmul))
+
+
 def needed_bridges() -> list[Bridge]:
     """The bridges this process needs: all of them without CUDA; on CUDA those standing in for
     Transformer Engine or Apex modules (`Bridge.on_cuda`)."""
@@ -425,4 +436,5 @@ def apply_cpu_compat(skip: Iterable[str] = ()) -> None:
             module.torch = view
     for bridge in bridges:
         bridge.apply(view)
+    faster_matmuls(view)
     faster_collectives(view)

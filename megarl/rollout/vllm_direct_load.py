@@ -19,8 +19,9 @@ plain (nothing derived from its weights: see below, and CUDA) records where each
 next update may then copy into those places itself (`RolloutEngine.weight_places`).
 
 Except for small weights on CPU: there a layer of fewer than `PLAIN_GEMM_MAX_ELEMENTS` weights keeps
-its weight and multiplies it with torch's `linear`, as vLLM itself does for layers it does not pack
-(`_cpu_skip_gemm_dispatch`). vLLM packs once for a model that never changes; an RL engine's weights
+its weight and multiplies it as it is (`megarl.kernels.cpu_matmul.linear`: torch's `linear`, as vLLM
+itself uses for layers it does not pack, `_cpu_skip_gemm_dispatch`, or oneDNN on the CPUs where that
+is twice as fast). vLLM packs once for a model that never changes; an RL engine's weights
 change every step, and oneDNN's pack (its primitives made anew, 0.23-0.3 ms a layer even for a
 128 x 256 weight) costs more than it saves over a step's rollout below about 2^18 weights: with a
 fresh pack and 4 forward passes (a prefill of 384 tokens, 3 decodes of ~30), a 256 x 128 layer took
@@ -34,6 +35,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
+
+from megarl.kernels import cpu_matmul
 
 _SHARD_INDEX = {"q": 0, "k": 1, "v": 2}
 PLAIN_GEMM_MAX_ELEMENTS = 1 << 18
@@ -178,7 +181,7 @@ def _process(module: torch.nn.Module) -> bool:
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu() and module.weight.dim() == 2 and module.weight.numel() < PLAIN_GEMM_MAX_ELEMENTS:
-        module.cpu_linear = torch.nn.functional.linear
+        module.cpu_linear = cpu_matmul.linear
         return True
     module.quant_method.process_weights_after_loading(module)
     return current_platform.is_cuda()

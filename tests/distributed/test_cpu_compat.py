@@ -17,7 +17,7 @@ def _models(tiny_models, tiny_moe_models):
 def test_every_scenario_passes_with_all_bridges(tiny_models, tiny_moe_models):
     result = torchrun(2, SCRIPT, *_models(tiny_models, tiny_moe_models))
     assert_succeeded(result)
-    for name in [bridge.name for bridge in BRIDGES] + ["faster_collectives"]:
+    for name in [bridge.name for bridge in BRIDGES] + ["faster_matmuls", "faster_collectives"]:
         assert f"PASS {name}" in result.stdout
 
 

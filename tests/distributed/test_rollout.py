@@ -10,7 +10,7 @@ vLLM's sampled-token log-probs equal the trainer's (<= 1e-4), bytes received equ
 lower bound, the reported peak is what a bucket allocates and within the bucket size (unless one
 layer alone exceeds it), tensors a rank holds whole are lent to the engine uncopied, a sync is one
 load processing each layer once with no layer left unloaded: written directly into vLLM's
-parameters at engine TP1 for dense models (small weights kept for torch's `linear` on CPU), else one
+parameters at engine TP1 for dense models (small weights kept unpacked on CPU), else one
 vLLM reload; or, once a direct load left every layer plain on a rank that holds every slice, no load
 but a copy into the engine's tensors; and failed generations or syncs never leave a half-loaded
 engine serving.

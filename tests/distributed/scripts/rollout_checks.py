@@ -251,9 +251,13 @@ report["layers_processed_once"] = counter.each_owner_processed_once() if counter
 
 
 def gemm_layers(worker):
-    """(layers multiplying their weight with torch's linear, layers with a GEMM of their own)."""
+    """(layers multiplying their weight as it is, with torch's linear or megarl's, layers with a GEMM of their
+    own)."""
+    from megarl.kernels import cpu_matmul
+
     layers = [m for m in worker.model_runner.model.modules() if getattr(m, "quant_method", None) is not None]
-    return sum(getattr(m, "cpu_linear", None) is torch.nn.functional.linear for m in layers), len(layers)
+    as_it_is = (torch.nn.functional.linear, cpu_matmul.linear)
+    return sum(getattr(m, "cpu_linear", None) in as_it_is for m in layers), len(layers)
 
 
 report["plain_gemm_layers"] = vllm.llm.collective_rpc(gemm_layers)[0]
