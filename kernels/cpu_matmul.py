@@ -10,8 +10,8 @@ handful of sequences) stay with torch, whose per-call cost is lower (8 x 128 @ 1
 against 26). Everything else (other dtypes, Intel CPUs, where MKL uses all the CPU has) is torch's.
 
 Used by megatron's linear layers on CPU (`megarl.distributed.cpu_compat`) and by the colocated vLLM
-engine's small layers (`megarl.rollout.vllm_direct_load`). The two kernels round differently (about
-1e-7 relative), so a product's bytes depend on the kernel, which depends on the CPU and the row count.
+engine's small layers (`megarl.rollout.vllm_direct_load`). The two kernels round differently (each to
+float32's precision), so a product's bytes depend on the kernel, which depends on the CPU and the row count.
 """
 
 from __future__ import annotations
