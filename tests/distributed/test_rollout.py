@@ -5,8 +5,10 @@ engines at TP2.
 
 Each launch trains a step, syncs the training shards into a vLLM engine and an `hf` engine on every
 rank, and checks: the synced weights are bit-identical to the HF export of the training model,
-greedy generations of vLLM and `hf` agree token for token, after a second optimizer step and sync
-vLLM's sampled-token log-probs equal the trainer's (<= 1e-4), bytes received equal the analytic
+greedy generations of vLLM and `hf` agree token for token, requests kept in the engines through the
+second sync go on over the old weights' KV cache in vLLM as in `hf` (rollout.keep_kv, under the direct load
+and vLLM's reload alike), after a second optimizer step and sync vLLM's sampled-token log-probs equal the
+trainer's (<= 1e-4), bytes received equal the analytic
 lower bound, the reported peak is what a bucket allocates and within the bucket size (unless one
 layer alone exceeds it), tensors a rank holds whole are lent to the engine uncopied, a sync is one
 load processing each layer once with no layer left unloaded: written directly into vLLM's
@@ -104,6 +106,11 @@ def test_rollout_after_resharding(tiny_models, tiny_moe_models, tmp_path, case):
         # MoE engines record the routing of every fed token; in float32 vLLM routes as transformers does
         # (near-ties aside: seen 1.0), so a record shifted by a position or a layer would show.
         assert report["vllm_hf_routing_agreement"] is None if ep == 1 else report["vllm_hf_routing_agreement"] >= 0.99
+    # Requests kept through the second sync ran on both weights (2 tokens before it) and went on over the old
+    # weights' cache as the `hf` engine's did: the direct load and vLLM's reload both leave it in place.
+    assert all(length > 2 for length in report["kept_lengths"]), report
+    if dtype == "float32":
+        assert report["kept_tokens_equal"] and report["kept_logprob_diff"] <= 1e-4, report
     band = 1e-4 if dtype == "float32" else BF16_ROLLOUT_VS_TRAINER
     assert report["rollout_vs_trainer_logprob_diff"] <= band, report
     direct = engine_tp == 1 and ep == 1  # dense models at engine TP1 skip vLLM's generic reload

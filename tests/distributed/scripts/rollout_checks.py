@@ -4,6 +4,7 @@ Trains one step so the training weights differ from the checkpoint both rollout 
 syncs them into a vLLM engine and an `hf` engine on every rank, and reports (rank 0, JSON):
 - bit-identity of the synced weights with the HF export of the training model,
 - greedy generations of vLLM vs `hf`, token for token,
+- requests kept in both engines through the second sync (rollout.keep_kv): vLLM's continuation vs `hf`'s,
 - after a second optimizer step and sync, vLLM's sampled-token log-probs vs the trainer's,
 - bytes moved vs the plan's lower bound, the reported peak vs the bytes allocated while receiving a
   bucket (counted at torch's dispatcher), and recovery from a failed generation and a failed sync
@@ -238,6 +239,27 @@ report["vllm_hf_routing_agreement"] = (
     if vllm_out.routed_experts else None)
 report["bytes_received"], report["lower_bound"] = stats.bytes_received, stats.lower_bound
 
+# Requests kept through the sync (rollout.keep_kv): begun on step 1's weights, they stay in both engines while
+# the second sync loads step 2's, then go on over the KV cache step 1's weights computed. The `hf` engine's
+# continuation (checked against a forward of the new weights over the old cache in
+# tests/unit/generation/test_partial_rollouts.py) is the reference for vLLM's, whichever way vLLM loads.
+KEPT_PROMPTS = [torch.randint(5, 100, (n,), generator=generator).tolist() for n in (6, 4)]
+kept = {engine: {} for engine in (vllm, reference)}
+
+
+def advance(engine) -> None:
+    for step in engine.step():
+        tokens, logprobs = kept[engine].setdefault(step.key, ([], []))
+        tokens += step.ids
+        logprobs += step.logprobs
+
+
+for engine in (vllm, reference):
+    for i, prompt in enumerate(KEPT_PROMPTS):
+        engine.submit(f"kept{i}", prompt, Sampling(temperature=0.0, max_tokens=8))
+    for _ in range(2):
+        advance(engine)
+
 # A second real step and sync, then the engine's sampled-token log-probs against the trainer's.
 # The sync is one load (direct, or vLLM's reload): each layer is processed once, and no layer warns it
 # got no weights. Or, where the rank holds every slice and the first sync left the engine plain, no
@@ -245,6 +267,14 @@ report["bytes_received"], report["lower_bound"] = stats.bytes_received, stats.lo
 train_step(actor, hf_out.response_ids)
 with ReloadCounter(vllm.llm.collective_rpc(lambda worker: worker.model_runner.model)[0]) as counter:
     vllm_sync.sync(step=2)
+hf_sync.sync(step=2)
+for engine in (vllm, reference):
+    while engine.submitted:
+        advance(engine)
+vllm_kept, hf_kept = ([kept[engine][f"kept{i}"] for i in range(len(KEPT_PROMPTS))] for engine in (vllm, reference))
+report["kept_lengths"] = [len(tokens) for tokens, _ in vllm_kept]
+report["kept_tokens_equal"] = [tokens for tokens, _ in vllm_kept] == [tokens for tokens, _ in hf_kept]
+report["kept_logprob_diff"] = max(abs(a - b) for (_, x), (_, y) in zip(vllm_kept, hf_kept) for a, b in zip(x, y))
 report["buckets"], report["direct_load"] = len(vllm_sync.buckets), vllm.direct_loader is not None
 report["loads_per_sync"] = {"reload": counter.reloads, "direct": counter.direct_loads}
 report["layers_processed_once"] = counter.each_owner_processed_once() if counter.processed else None
