@@ -85,8 +85,8 @@ class RolloutEngine(Protocol):
         """Every response to `prompts`, at once. Refused while submitted requests are in the engine."""
 
     def submit(self, key: str, prompt: list[int], sampling: Sampling) -> None:
-        """Start one response to `prompt` (seeded and capped as `sampling`'s request 0), which `step` then
-        advances until it ends or is aborted; `key` names it in the advances."""
+        """Start one response to `prompt` (seeded and capped as `sampling`'s request 0; `sampling.n` must be 1),
+        which `step` then advances until it ends or is aborted; `key` names it in the advances."""
 
     def step(self) -> list[Advance]:
         """One iteration of the engine over the submitted requests: what it added to each request it ran
@@ -127,6 +127,14 @@ class RolloutEngine(Protocol):
 
 
 ROLLOUT_BACKENDS: Registry[type] = Registry("rollout backend")
+
+
+def check_one_response(sampling: Sampling) -> None:
+    """`submit` starts one response, sampled as `sampling`'s request 0: an n of several would have the engine
+    sample them all and `step` report one."""
+    if sampling.n != 1:
+        raise ValueError(f"submit() starts one response: got Sampling with n={sampling.n} (generate() samples n per "
+                         "prompt)")
 
 
 def check_none_submitted(submitted: Sized) -> None:

@@ -25,7 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from megarl import device
 from megarl.rollout.base import (ROLLOUT_BACKENDS, Advance, RolloutOutput, Sampling, WeightUpdateGuard,
-                                 check_none_submitted, routed_experts_shape)
+                                 check_none_submitted, check_one_response, routed_experts_shape)
 
 
 @ROLLOUT_BACKENDS.register("hf")
@@ -67,6 +67,7 @@ class HFRollout:
 
     def submit(self, key: str, prompt: list[int], sampling: Sampling) -> None:
         self.guard.check()
+        check_one_response(sampling)
         self.submitted[key] = _Sequence(prompt, sampling, sampling.max_tokens_of(0), self._stops(sampling),
                                         torch.Generator().manual_seed(sampling.seed_of(0)))
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from megarl import device
 from megarl.rollout import routing_capture
 from megarl.rollout.base import (ROLLOUT_BACKENDS, Advance, RolloutOutput, Sampling, WeightUpdateGuard,
-                                 check_none_submitted, routed_experts_shape)
+                                 check_none_submitted, check_one_response, routed_experts_shape)
 from megarl.rollout.vllm_direct_load import DirectLoader, supports_direct_load
 
 
@@ -202,6 +202,7 @@ class VLLMRollout:
         from vllm.sampling_params import RequestOutputKind
 
         self.guard.check()
+        check_one_response(sampling)
         params = _sampling_params(sampling, 0, output_kind=RequestOutputKind.DELTA)  # each step's new tokens
         self.llm.llm_engine.add_request(key, TokensPrompt(prompt_token_ids=list(prompt)), params)
         self.submitted.add(key)

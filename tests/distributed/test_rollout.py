@@ -109,6 +109,7 @@ def test_rollout_after_resharding(tiny_models, tiny_moe_models, tmp_path, case):
     # Requests kept through the second sync ran on both weights (2 tokens before it) and went on over the old
     # weights' cache as the `hf` engine's did: the direct load and vLLM's reload both leave it in place.
     assert all(length > 2 for length in report["kept_lengths"]), report
+    assert report["submit_several_error"].startswith("submit() starts one response: got Sampling with n=2"), report
     if dtype == "float32":
         assert report["kept_tokens_equal"] and report["kept_logprob_diff"] <= 1e-4, report
     band = 1e-4 if dtype == "float32" else BF16_ROLLOUT_VS_TRAINER

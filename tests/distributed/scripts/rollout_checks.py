@@ -254,6 +254,11 @@ def advance(engine) -> None:
         logprobs += step.logprobs
 
 
+try:
+    vllm.submit("several", KEPT_PROMPTS[0], Sampling(n=2))
+    report["submit_several_error"] = ""
+except ValueError as error:
+    report["submit_several_error"] = str(error)
 for engine in (vllm, reference):
     for i, prompt in enumerate(KEPT_PROMPTS):
         engine.submit(f"kept{i}", prompt, Sampling(temperature=0.0, max_tokens=8))

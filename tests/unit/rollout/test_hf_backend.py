@@ -1,5 +1,6 @@
 """The plain-transformers backend started with dummy weights: it refuses to generate until a weight
-update completes, then generates what the model loaded from its weight files does.
+update completes, then generates what the model loaded from its weight files does. `submit` starts one
+response and refuses a Sampling of several.
 
 The two are separate instances (built from config vs from weight files): the same bytes, but not
 necessarily the same kernels or memory layouts, so log-probs agree to fp32 rounding, not bitwise
@@ -31,6 +32,15 @@ def test_dummy_weights_serve_only_after_an_update(tiny_models):
     assert updated.response_ids == reference.response_ids
     assert updated.finish_reasons == reference.finish_reasons
     torch.testing.assert_close(torch.tensor(updated.logprobs), torch.tensor(reference.logprobs), rtol=0, atol=1e-5)
+
+
+def test_submit_refuses_several_samples(tiny_models):
+    engine = HFRollout(str(tiny_models["llama-untied"]), "float32")
+    with pytest.raises(ValueError, match=r"submit\(\) starts one response: got Sampling with n=2"):
+        engine.submit("a", [5, 9, 13], Sampling(n=2))
+    assert not engine.submitted
+    engine.submit("a", [5, 9, 13], Sampling(n=1, max_tokens=1))
+    assert [advance.key for advance in engine.step()] == ["a"]
 
 
 def test_moe_outputs_carry_the_experts_each_fed_token_was_routed_to(tiny_moe_models):
