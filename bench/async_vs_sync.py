@@ -34,9 +34,10 @@ the first --warmup-steps left out), the trainer's wait for a batch (`timing/wait
 rollout ranks' idle time (`timing/rollout_idle`) and generation time (`timing/rollout_generate`; the
 colocated run's `timing/rollout`) per step, the training seconds to the first evaluation at or above
 --threshold, and the final accuracy; ratios against colocated synchronous at the same process count.
---override KEY=VALUE ... adds config overrides to every contender (e.g.
-algorithm.rollout_correction.preset=token_tis). Every process runs one thread; each process count's logs,
-mlflow stores and numbers (results.json) are in outputs/bench/async_vs_sync/<N>proc[_<overrides>]/.
+--override KEY=VALUE ... adds config overrides to every contender (e.g. algorithm.rollout_correction.preset=none:
+without the token weights the default gives the split contenders at staleness >= 1). Every process runs one
+thread; each process count's logs, mlflow stores and numbers (results.json) are in
+outputs/bench/async_vs_sync/<N>proc[_<overrides>]/.
 """
 
 from __future__ import annotations

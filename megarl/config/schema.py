@@ -539,8 +539,11 @@ class RolloutCorrectionConfig:
     actor's loss from the trainer's old log-probs and the engine's; the math, presets and sources are in
     `megarl.algorithms.rollout_correction` and docs/algorithms.md. Logged as actor/rollout_correction/*."""
 
-    preset: str = "none"
-    """none, token_tis (token weights truncated at cap), seq_tis (sequence weight truncated), token_mis /
+    preset: str = "auto"
+    """auto: token_tis where the engine samples with older weights than the trainer's (trainer.placement=split
+    at trainer.max_staleness >= 1) and the trainer computes the old log-probs (actor.recompute_old_logprobs),
+    none elsewhere (resolved when the config is loaded; the run's config.yaml shows the outcome). Or one of:
+    none, token_tis (token weights truncated at cap), seq_tis (sequence weight truncated), token_mis /
     seq_mis (token / sequence weights; tokens / sequences with the ratio outside [lower, upper] rejected),
     icepop (token_mis with the band [0.5, 5]), geo_rs (sequences with the geometric mean ratio outside
     [lower, upper] rejected, no weights), geo_rs_token_tis (geo_rs with token_tis weights)."""

@@ -155,6 +155,8 @@ def uninterrupted(models, arithmetic, tmp_path_factory) -> dict[str, tuple[Path,
             assert sorted(metrics[metric]) == list(range(1, TOTAL_STEPS + 1)), metric
         assert sorted(metrics["val/score/mean"]) == [0, TOTAL_STEPS]
         assert len(set(metrics["actor/grad_norm"].values())) > 1  # the weights really move
+        # Split placement at staleness >= 1: the default rollout correction (auto) weights the lagging engine's tokens.
+        assert ("actor/rollout_correction/weight_mean" in metrics) == ("trainer.placement=split" in job.overrides)
         # LoRA syncs only the adapted linears into vLLM: the layers left out keep their weights, without a warning.
         output = launch.console() + launch.log()
         assert "Failed to load weights" not in output and "were not loaded from checkpoint" not in output

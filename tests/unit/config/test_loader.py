@@ -53,6 +53,23 @@ def test_save_resolved_round_trips(tmp_path):
     assert load_config(str(saved)) == config
 
 
+SPLIT = ["model.path=m", "trainer.placement=split", "rollout.num_ranks=1"]
+
+
+@pytest.mark.parametrize("overrides, preset", [
+    (["model.path=m"], "none"),  # colocated: the engine has the trainer's weights
+    ([*SPLIT, "trainer.max_staleness=0"], "none"),
+    ([*SPLIT, "trainer.max_staleness=1"], "token_tis"),  # the engine's weights lag: truncated token weights
+    ([*SPLIT, "trainer.max_staleness=2", "rollout.partial=true"], "token_tis"),
+    ([*SPLIT, "trainer.max_staleness=1", "actor.recompute_old_logprobs=false"], "none"),  # the ratio is to the engine
+    ([*SPLIT, "trainer.max_staleness=1", "algorithm.rollout_correction.preset=none"], "none"),  # as set
+    (["model.path=m", "algorithm.rollout_correction.preset=seq_tis"], "seq_tis"),
+])
+def test_rollout_correction_auto_weights_tokens_where_the_engine_lags(overrides, preset):
+    assert RunConfig().algorithm.rollout_correction.preset == "auto"
+    assert load_config(None, overrides).algorithm.rollout_correction.preset == preset
+
+
 M = "model: {path: m}\n"  # the required key, so each bad YAML below has exactly one mistake
 P = "model.path=m"  # the same for configs given only as overrides
 
