@@ -98,7 +98,7 @@ def worker(model_dir: str, tp: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from megarl.config.schema import ActorConfig, ModelConfig, OptimizerConfig
+    from megarl.config.schema import ActorConfig, ModelConfig, OptimizerConfig, RolloutCorrectionConfig
     from megarl.distributed import finish_process, init_layout
     from megarl.engine.megatron_engine import MegatronEngine
     from megarl.models.hf_interop import load_hf_model
@@ -112,7 +112,7 @@ def worker(model_dir: str, tp: int) -> None:
     plain = PlainMegatronLoop(load_hf_model(model_dir, layout)[0], lr=1e-6)
     batch = make_batch(engine.arch.vocab_size)
     batch.response_tensors.old_logprobs_BR = engine.score(batch)["logprobs"]
-    loss = actor_loss(config, MAX_RESPONSE)
+    loss = actor_loss(config, RolloutCorrectionConfig(preset="none"), MAX_RESPONSE)
     seconds = {"megarl": [], "plain": []}
     groups = torch.arange(len(batch))  # one sample per prompt: each sequence its own group
     for step in range(WARMUP + STEPS):

@@ -34,6 +34,9 @@ def _as_contribution(value: torch.Tensor, micro_batch: SequenceBatch, normalizer
 
 def rollout_correction(config: RolloutCorrectionConfig) -> RolloutCorrection:
     """The preset with the bounds the config sets (`megarl.trainer.startup` checked that it reads them)."""
+    if config.preset == "auto":  # the schema's default, which needs the placement to resolve
+        raise ValueError("algorithm.rollout_correction.preset 'auto' is resolved when the run config is loaded "
+                         "(megarl.config.load_config); a config built in code names its preset")
     return ROLLOUT_CORRECTIONS.get(config.preset).with_bounds(config.cap, config.lower, config.upper,
                                                               config.opsm_delta)
 

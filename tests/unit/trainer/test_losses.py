@@ -27,7 +27,7 @@ def _batch() -> SequenceBatch:
 
 
 def _loss_and_grad(config: ActorConfig, batch: SequenceBatch, logprobs: torch.Tensor,
-                   correction: RolloutCorrectionConfig = RolloutCorrectionConfig()):
+                   correction: RolloutCorrectionConfig = RolloutCorrectionConfig(preset="none")):
     logprobs = logprobs.clone().requires_grad_()
     outputs = {"logprobs": logprobs, "entropy": torch.rand(4, 5, generator=torch.Generator().manual_seed(1))}
     normalizer = LossNormalizer(int(batch.response_lengths_B.sum()), len(batch))
@@ -127,7 +127,7 @@ def test_off_policy_sequence_masking_needs_the_current_policy_and_takes_no_gradi
     batch = _mismatched_batch()
     mask, tensors = batch.response_mask_BR, batch.response_tensors
     tensors.rollout_logprobs_BR = (2 * tensors.old_logprobs_BR - tensors.rollout_logprobs_BR) * mask  # old + shift
-    correction = RolloutCorrectionConfig(opsm_delta=0.2)
+    correction = RolloutCorrectionConfig(preset="none", opsm_delta=0.2)
     loss, grad, metrics = _loss_and_grad(ActorConfig(), batch, tensors.old_logprobs_BR, correction)
     dropped = torch.zeros(4, 5, dtype=torch.bool)
     dropped[1] = tensors.advantages_BR[1] < 0
@@ -203,7 +203,7 @@ def test_environment_tokens_of_multi_turn_responses_get_exactly_zero_gradient():
     entropy = torch.rand(3, 8, generator=generator).requires_grad_()
     config = ActorConfig(use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01)
     batch.response_tensors.old_logprobs_BR = logprobs.detach().clone()
-    loss, _ = actor_loss(config, RolloutCorrectionConfig(), max_response_length=8)(
+    loss, _ = actor_loss(config, RolloutCorrectionConfig(preset="none"), max_response_length=8)(
         {"logprobs": logprobs, "entropy": entropy}, batch, LossNormalizer(batch.num_loss_tokens, len(batch)))
     loss.backward()
     environment = mask == 0
