@@ -295,7 +295,7 @@ def main() -> None:
     parser.add_argument("--keep-kv", action="store_true",
                         help="a contender more for partial rollouts: the same with rollout.keep_kv=true")
     parser.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="config overrides for every contender, e.g. algorithm.rollout_correction.preset=token_tis")
+                        help="config overrides for every contender, e.g. algorithm.rollout_correction.preset=none")
     args = parser.parse_args()
     if args.steps <= args.warmup_steps:
         sys.exit(f"--steps {args.steps}: none left after --warmup-steps {args.warmup_steps}")
