@@ -1,7 +1,10 @@
 """bench/async_cost_model.py in its limiting case: no tail, no sync cost, no fixed costs, decode
 compute-bound. Then overlapping generation with training gains exactly what the arithmetic says,
 computed here by hand from the FLOPs, and partial rollouts (simulated response by response) generate
-each step's groups together, as a whole batch does."""
+each step's groups together, as a whole batch does. Then the simulation's restarts and KV recomputation,
+traced by hand on a workload of scripted lengths."""
+
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -14,6 +17,7 @@ from bench.async_cost_model import (
     Pricing,
     ResponseLengths,
     Workload,
+    simulate_partial_rollouts,
     step,
 )
 
@@ -54,3 +58,41 @@ def test_no_tail_no_sync_overlap_gain_is_the_arithmetic():
         split = step(pricing, schedule, half)
         assert split.rollout_busy == pytest.approx(generate(half), rel=1e-9), schedule.name
         assert split.seconds == pytest.approx(max(generate(half), trainer), rel=1e-9), schedule.name
+
+
+@dataclass(frozen=True)
+class ScriptedLengths(ResponseLengths):
+    """The lengths of `script` in order, then 1 for every response after them."""
+
+    script: list[int] = field(default_factory=list)
+
+    def draw(self, rng) -> int:
+        return self.script.pop(0) if self.script else 1
+
+
+@pytest.mark.parametrize("staleness, keep_kv, recomputed", [
+    (1, False, None),  # the long group is dropped at batch 3, before anything of it is recomputed
+    (2, False, 4),  # it continues at batch 3 (its 4 tokens' cache recomputed after the sync), dropped at batch 4
+    (2, True, None),  # kept in the engine through the sync: nothing to recompute
+])
+def test_partial_rollouts_restart_a_group_older_than_the_bound(staleness, keep_kv, recomputed):
+    # One engine, 2 groups of one response in flight, 2 trained per batch: the first response runs 100 tokens,
+    # every other one 1. Batch 1 (weights version 0) trains the two 1-token groups that finish at iterations 1
+    # and 2; the long one pauses with 2 tokens and goes on in batch 2 (version 0) beside two more short groups
+    # (iterations 3 and 4), pausing with 4 tokens. Batch b keeps groups whose oldest token is of version
+    # b - 1 - staleness or newer: at staleness 1 batch 3 drops it; at staleness 2 it continues in batch 3
+    # (its KV cache of the prompt and 4 tokens recomputed, unless kept), pauses with 6 tokens and batch 4 drops
+    # it. Either way 8 short groups are trained in 4 batches and one group is generated anew.
+    model = Model("tiny", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
+                  ffn_hidden_size=128, vocab_size=100)
+    gpu = Gpu("any", bf16_flops=1e12, hbm_bytes_per_s=1e12, memory_bytes=1e12, nvlink_bytes_per_s=1e12,
+              network_bytes_per_s=1e12)
+    prompt = 10
+    workload = Workload(prompts=2, samples=1, prompt_length=prompt,
+                        responses=ScriptedLengths(median=1, sigma=0.0, max_length=100, script=[100]))
+    pricing = Pricing(model, workload, Cluster(gpu, 1), Efficiency())
+    steps = simulate_partial_rollouts(pricing, num_gpus=1, staleness=staleness, keep_kv=keep_kv, steps=4, warmup=0)
+    assert steps.restarted == pytest.approx(1 / 8)
+    assert steps.trained_length == 1
+    expected = pricing.prefill_seconds([prompt + recomputed]) / 4 if recomputed else 0.0
+    assert steps.recompute_seconds == pytest.approx(expected, rel=1e-12)
