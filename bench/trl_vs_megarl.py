@@ -137,11 +137,6 @@ def bench_python() -> Path:
     return python
 
 
-def prepare_model(size: str) -> Path:
-    """The checkpoint every contender of `size` starts from."""
-    return ensure_bench_model() if size == "30m" else ensure_quickstart_model(OUT)
-
-
 @dataclass(frozen=True)
 class Setting:
     """One size and shape, the steps to run and how often to evaluate (0: never)."""
@@ -309,11 +304,11 @@ def main() -> None:
     args = parser.parse_args()
     sizes, shapes = parse_choice(args.sizes, SIZES, "--sizes"), parse_choice(args.shapes, SHAPES, "--shapes")
     bench_python()
-    ensure_quickstart_model(OUT)  # its data too: the task of every size
+    quickstart_sft = ensure_quickstart_model(OUT)  # and its data: the task of every size
     data = QUICKSTART / "data"
     contenders = []
     for size in sizes:
-        model = prepare_model(size)
+        model = ensure_bench_model() if size == "30m" else quickstart_sft  # every contender of the size starts here
         for shape in shapes:
             curve = (size, shape) == CURVE
             steps = args.steps if curve else args.timing_steps or SIZES[size].timing_steps
