@@ -2,6 +2,7 @@
 
     python bench/trl_vs_megarl.py                                   # everything, ~20-25 min on 2 cores
     python bench/trl_vs_megarl.py --sizes 1m --shapes 16x8 --steps 100 --timing-steps 20   # a quick look
+    python bench/trl_vs_megarl.py --sizes 1m --shapes 8x8 --timing-steps 200 --rounds 3   # one cell, paired rounds
 
 For every model size (--sizes) and step shape (--shapes, prompts x samples per step), three
 contenders train GRPO from the same checkpoint with the same prompts per step, samples per prompt,
@@ -26,16 +27,19 @@ with three ways of rounding the same products and Adam updates; bench/README.md.
 
 The 1m model at the quick start's 16 x 8 runs --steps steps with held-out greedy accuracy every
 --eval-every steps (the learning curves); every other combination runs --timing-steps steps
-without evaluation. The first --warmup-steps steps of every run are left out of its numbers.
+without evaluation, --rounds times: each round runs TRL, then megarl at 1 and 2 processes, and its ratios
+compare these runs only, so that the machine's drift from round to round (its speed moves by up to 40%
+within an hour) enters no ratio. The first --warmup-steps steps of every run are left out of its numbers.
 
-Prints one table: s/step (median), tokens/s (prompt + response tokens of the timed steps over their
-seconds), the ratio to TRL of the same size and shape, and the targets (issue 41: megarl at 2
-processes >= 2.5x TRL's tokens/s at 1 process everywhere; issue 19: megarl at 1 process >= TRL), after
-the machine's own ceiling for 2 processes (how much more matmul work 2 single-thread processes do than
-1); next to each 2-process ratio, its ceiling: the 1-process ratio times that scaling, what 2 processes
-would reach if they scaled as the machine does. Then every contender's mean seconds per phase and the
-learning curves. Everything is also written to outputs/bench/trl_vs_megarl/results.json. Every process runs
-one thread (OMP_NUM_THREADS=1); the logs of every run are under outputs/bench/trl_vs_megarl/<size>_<shape>_<dtype>/.
+Prints one table: s/step (median), tokens/s (prompt + response tokens of the timed steps over their seconds),
+the ratio to TRL of the same size, shape and round, and the targets (issue 41: megarl at 2 processes >= 2.5x
+TRL's tokens/s at 1 process everywhere; issue 19: megarl at 1 process >= TRL), after the machine's own ceiling
+for 2 processes (how much more matmul work 2 single-thread processes do than 1); next to each 2-process ratio,
+its ceiling: the 1-process ratio times that scaling, what 2 processes would reach if they scaled as the machine
+does. With --rounds above 1, each ratio's median over the rounds follows. Then every contender's mean seconds
+per phase and the learning curves. Everything is also written to outputs/bench/trl_vs_megarl/results.json.
+Every process runs one thread (OMP_NUM_THREADS=1); the logs of every run are under
+outputs/bench/trl_vs_megarl/<size>_<shape>_<dtype>/ (rounds after the first: <size>_<shape>_<dtype>_round<k>/).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -99,6 +104,8 @@ class Contender:
     phases: dict[str, float]
     """Mean seconds per phase over the timed steps."""
     warmup: int
+    round: int
+    """Which round of its size and shape (--rounds) it ran in; 0 for the first."""
 
     def seconds_per_step(self) -> float:
         return statistics.median(self.step_seconds[self.warmup:])
@@ -149,6 +156,7 @@ class Setting:
     eval_every: int
     warmup: int
     dtype: str
+    round: int
 
     @property
     def prompts(self) -> int:
@@ -160,7 +168,7 @@ class Setting:
 
     @property
     def directory(self) -> Path:
-        return OUT / f"{self.size}_{self.shape}_{self.dtype}"
+        return OUT / (f"{self.size}_{self.shape}_{self.dtype}" + (f"_round{self.round + 1}" if self.round else ""))
 
 
 def run_trl(setting: Setting) -> Contender:
@@ -178,7 +186,8 @@ def run_trl(setting: Setting) -> Contender:
     phases = {"generate+reward+advantage": generation,
               "forward+backward+optimizer": statistics.mean(result["step_seconds"][timed]) - generation}
     return Contender(setting.size, setting.shape, TRL, 1, result["step_seconds"],
-                     result["step_tokens"], [tuple(a) for a in result["accuracy"]], wall, phases, setting.warmup)
+                     result["step_tokens"], [tuple(a) for a in result["accuracy"]], wall, phases, setting.warmup,
+                     setting.round)
 
 
 def run_megarl(setting: Setting, nproc: int) -> Contender:
@@ -204,7 +213,7 @@ def run_megarl(setting: Setting, nproc: int) -> Contender:
     phases = {key.removeprefix("timing/"): statistics.mean(values[setting.warmup:]) for key, values in history.items()}
     phases["between phases"] = statistics.mean(step_seconds[setting.warmup:]) - sum(phases.values())
     return Contender(setting.size, setting.shape, "megarl GRPO", nproc, step_seconds, tokens, accuracy, wall, phases,
-                     setting.warmup)
+                     setting.warmup, setting.round)
 
 
 PROBE_MATMUL = (320, 512, 1536)
@@ -242,6 +251,12 @@ def target(contender: Contender) -> float:
     return TARGET_2PROC if contender.nproc == 2 else TARGET_1PROC
 
 
+def partner(contenders: list[Contender], of: Contender, name: str, nproc: int) -> Contender | None:
+    """The contender `name` at `nproc` processes of `of`'s size, shape and round."""
+    return next((c for c in contenders if (c.size, c.shape, c.round, c.name, c.nproc)
+                 == (of.size, of.shape, of.round, name, nproc)), None)
+
+
 def report(contenders: list[Contender], threshold: float, dtype: str, scaling: float) -> None:
     print(f"\nGRPO on a+b=: <= {RESPONSE_LENGTH} response tokens, lr {LR:g} constant, token-mean loss, no KL, "
           f"one optimizer step per batch, {PRECISION[dtype]}, 1 thread per process")
@@ -249,21 +264,32 @@ def report(contenders: list[Contender], threshold: float, dtype: str, scaling: f
           f"({' x '.join(map(str, PROBE_MATMUL[:2]))} @ {' x '.join(map(str, PROBE_MATMUL[1:]))}, medians of "
           f"{PROBE_ROUNDS} rounds): what 2 processes can gain over 1 here (2.00 on two free cores)")
     print("s/step: median; tokens/s: prompt + response tokens over the seconds of the timed steps (warm-up left out); "
-          "x TRL: tokens/s over TRL's at the same size and shape; process s: the whole run, start-up included")
+          "x TRL: tokens/s over TRL's at the same size, shape and round; process s: the whole run, start-up included")
     print("ceiling: a 2-process row's x TRL if its 2 processes gained over its 1 what the machine's do")
-    print(f"{'size':5} {'shape':5} {'contender':28} {'steps':>5} {'s/step':>7} {'tokens/s':>9} {'x TRL':>6} "
-          f"{'ceiling':>7} {'target':>7} {'met':>4} {'process s':>9}")
+    print(f"{'size':5} {'shape':5} {'round':>5} {'contender':28} {'steps':>5} {'s/step':>7} {'tokens/s':>9} "
+          f"{'x TRL':>6} {'ceiling':>7} {'target':>7} {'met':>4} {'process s':>9}")
+    ratios = defaultdict(list)
     for c in contenders:
-        trl = next(t for t in contenders if (t.size, t.shape, t.name) == (c.size, c.shape, TRL))
+        trl, one = partner(contenders, c, TRL, 1), partner(contenders, c, c.name, 1)
         ratio = c.tokens_per_second() / trl.tokens_per_second()
-        one = next((o for o in contenders if (o.size, o.shape, o.name, o.nproc) == (c.size, c.shape, c.name, 1)), None)
         ceiling = (f"{scaling * one.tokens_per_second() / trl.tokens_per_second():7.2f}"
                    if c.nproc == 2 and one is not None else "")
         goal = "" if c is trl else f">={target(c):.1f}x"
         met = "" if c is trl else ("yes" if ratio >= target(c) else "NO")
-        print(f"{c.size:5} {c.shape:5} {f'{c.name}, {c.nproc} proc':28} {len(c.step_seconds):5} "
+        if c is not trl:
+            ratios[c.size, c.shape, c.name, c.nproc].append(ratio)
+        print(f"{c.size:5} {c.shape:5} {c.round + 1:5} {f'{c.name}, {c.nproc} proc':28} {len(c.step_seconds):5} "
               f"{c.seconds_per_step():7.3f} {c.tokens_per_second():9.0f} {ratio:6.2f} {ceiling:>7} {goal:>7} "
               f"{met:>4} {c.wall_seconds:9.0f}")
+    repeated = {key: values for key, values in ratios.items() if len(values) > 1}
+    if repeated:
+        print("\nx TRL, median over the rounds (each round's ratio within the round):")
+    for (size, shape, name, nproc), values in repeated.items():
+        goal = TARGET_2PROC if nproc == 2 else TARGET_1PROC
+        median = statistics.median(values)
+        print(f"  {size:4} {shape:5} {name}, {nproc} proc: {median:.2f} (rounds: "
+              f"{', '.join(f'{value:.2f}' for value in values)}; target >={goal:.1f}x: "
+              f"{'met' if median >= goal else 'NO'})")
     print("\nmean seconds per phase over the timed steps (megarl: its phase timer, and the time between its phases;"
           " TRL: its _generate_and_score_completions, and the rest of its step):")
     for c in contenders:
@@ -297,11 +323,15 @@ def main() -> None:
     parser.add_argument("--timing-steps", type=int, default=None,
                         help="steps of every other run (default per size: "
                              + ", ".join(f"{k} {v.timing_steps}" for k, v in SIZES.items()) + ")")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="timing runs of every size and shape but the learning curve's, each round TRL then megarl")
     parser.add_argument("--warmup-steps", type=int, default=2, help="first steps of every run left out of its numbers")
     parser.add_argument("--threshold", type=float, default=0.58, help="held-out greedy accuracy")
     parser.add_argument("--dtype", choices=tuple(PRECISION), default="float32",
                         help="every contender's precision (default float32)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        sys.exit(f"--rounds {args.rounds}: expected at least 1")
     sizes, shapes = parse_choice(args.sizes, SIZES, "--sizes"), parse_choice(args.shapes, SHAPES, "--shapes")
     bench_python()
     quickstart_sft = ensure_quickstart_model(OUT)  # and its data: the task of every size
@@ -314,12 +344,15 @@ def main() -> None:
             steps = args.steps if curve else args.timing_steps or SIZES[size].timing_steps
             if steps <= args.warmup_steps:
                 sys.exit(f"{size} at {shape}: {steps} steps leave none after --warmup-steps {args.warmup_steps}")
-            setting = Setting(size, shape, model, data, steps, args.eval_every if curve else 0, args.warmup_steps,
-                              args.dtype)
-            setting.directory.mkdir(parents=True, exist_ok=True)
-            print(f"{size} at {shape}: {steps} steps per contender ...", flush=True)
-            contenders.append(run_trl(setting))
-            contenders += [run_megarl(setting, nproc) for nproc in (1, 2)]
+            rounds = 1 if curve else args.rounds
+            for round_ in range(rounds):
+                setting = Setting(size, shape, model, data, steps, args.eval_every if curve else 0, args.warmup_steps,
+                                  args.dtype, round_)
+                setting.directory.mkdir(parents=True, exist_ok=True)
+                print(f"{size} at {shape}: {steps} steps per contender"
+                      + (f", round {round_ + 1} of {rounds}" if rounds > 1 else "") + " ...", flush=True)
+                contenders.append(run_trl(setting))
+                contenders += [run_megarl(setting, nproc) for nproc in (1, 2)]
     report(contenders, args.threshold, args.dtype, two_process_scaling())
 
 
