@@ -247,8 +247,8 @@ def two_process_scaling(seconds: float = 2.0) -> float:
     return statistics.median(together) / statistics.median(alone)
 
 
-def target(contender: Contender) -> float:
-    return TARGET_2PROC if contender.nproc == 2 else TARGET_1PROC
+def target(nproc: int) -> float:
+    return TARGET_2PROC if nproc == 2 else TARGET_1PROC
 
 
 def partner(contenders: list[Contender], of: Contender, name: str, nproc: int) -> Contender | None:
@@ -274,8 +274,8 @@ def report(contenders: list[Contender], threshold: float, dtype: str, scaling: f
         ratio = c.tokens_per_second() / trl.tokens_per_second()
         ceiling = (f"{scaling * one.tokens_per_second() / trl.tokens_per_second():7.2f}"
                    if c.nproc == 2 and one is not None else "")
-        goal = "" if c is trl else f">={target(c):.1f}x"
-        met = "" if c is trl else ("yes" if ratio >= target(c) else "NO")
+        goal = "" if c is trl else f">={target(c.nproc):.1f}x"
+        met = "" if c is trl else ("yes" if ratio >= target(c.nproc) else "NO")
         if c is not trl:
             ratios[c.size, c.shape, c.name, c.nproc].append(ratio)
         print(f"{c.size:5} {c.shape:5} {c.round + 1:5} {f'{c.name}, {c.nproc} proc':28} {len(c.step_seconds):5} "
@@ -285,11 +285,10 @@ def report(contenders: list[Contender], threshold: float, dtype: str, scaling: f
     if repeated:
         print("\nx TRL, median over the rounds (each round's ratio within the round):")
     for (size, shape, name, nproc), values in repeated.items():
-        goal = TARGET_2PROC if nproc == 2 else TARGET_1PROC
         median = statistics.median(values)
         print(f"  {size:4} {shape:5} {name}, {nproc} proc: {median:.2f} (rounds: "
-              f"{', '.join(f'{value:.2f}' for value in values)}; target >={goal:.1f}x: "
-              f"{'met' if median >= goal else 'NO'})")
+              f"{', '.join(f'{value:.2f}' for value in values)}; target >={target(nproc):.1f}x: "
+              f"{'met' if median >= target(nproc) else 'NO'})")
     print("\nmean seconds per phase over the timed steps (megarl: its phase timer, and the time between its phases;"
           " TRL: its _generate_and_score_completions, and the rest of its step):")
     for c in contenders:
