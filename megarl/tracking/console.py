@@ -48,6 +48,9 @@ _KNOWN_NOTICES = (
     ("vllm.platforms.interface", "Unknown vLLM environment variable detected: VLLM_DIST_IDENT"),
     # The engine lives in the trainer's process, which gets its RNG states back (`megarl.rollout.vllm_backend`).
     ("vllm.engine.arg_utils", "The global random seed is set to"),
+    # megarl turns chunked prefill off on CPU for its seeded requests (`megarl.rollout.vllm_backend.whole_prefills`);
+    # the engine's tokens and log-probs are tested against transformers' with it off.
+    ("vllm.engine.arg_utils", "This model does not officially support disabling chunked prefill"),
     # megarl runs vLLM eagerly on CPU (`megarl.rollout.vllm_backend`).
     ("vllm.config.vllm", "Enforce eager set"),
     ("vllm.config.vllm", "Inductor compilation was disabled"),
