@@ -10,7 +10,8 @@ weights, with bench/trl_vs_megarl.py's lengths: prompts <= 16, responses <= 8 to
 `step` directly, with one substitution: the trainer's `PhaseTimer` also opens a `torch.profiler` range
 and, when asked, a cProfile of its own for each phase. Steps:
 
-1. `--warmup` steps, not counted;
+1. `--warmup` steps, not counted; then the start-up's objects are frozen out of the garbage collector's
+   sight, as the trainer's loop does before its first step (`freeze_start_up_objects`);
 2. `--steps` steps timed by the trainer's own phase timer, nothing else on: each phase's median and
    its share of the step, and the time between phases (the step's wall clock minus its phases);
 3. `--profile-steps` steps under `torch.profiler`: each operator's self CPU time, attributed to the
@@ -167,6 +168,7 @@ def worker(overrides: list[str], warmup: int, steps: int, profile_steps: int, to
     import torch
     import torch.distributed as dist
 
+    from megarl.distributed.process import freeze_start_up_objects
     from megarl.tracking.console import quiet_third_party_logs
 
     quiet_third_party_logs()
@@ -186,6 +188,7 @@ def worker(overrides: list[str], warmup: int, steps: int, profile_steps: int, to
 
     for _ in range(warmup):
         timed_step()
+    freeze_start_up_objects()  # as the trainer's loop does before its first step
     walls, phases = [], defaultdict(list)
     for _ in range(steps):
         wall, metrics = timed_step()
