@@ -11,6 +11,7 @@ before any model, engine or checkpoint exists, instead of on import or in a cons
   (the engine lives in this process, not in a child) and `VLLM_DIST_IDENT` (names vLLM's CPU
   shared-memory segments; unique per job, from its rendezvous port, so jobs on one host never clash);
 - torch's checkpoint-metadata reads go through the restricted unpickler (`safe_metadata`);
+- on CPU, malloc's thresholds are fixed (`steady_malloc`): memory a step frees is kept for the next;
 - megarl's loggers write to stderr, prefixed with the rank, at the level MEGARL_LOG_LEVEL (default
   WARNING; DEBUG logs the start of every phase of every step);
 - a torchrun worker dies with its agent: torch elastic starts workers in sessions of their own
@@ -42,6 +43,8 @@ def configure_process() -> None:
         exit_with_parent()
     apply_cpu_compat()
     report_unavailable_gpu_features()
+    if not device.cuda():
+        steady_malloc()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_DIST_IDENT", f"megarl{os.environ['MASTER_PORT']}")
     safe_metadata.install()
@@ -65,6 +68,32 @@ def report_unavailable_gpu_features() -> None:
     if off and os.environ.get("LOCAL_RANK", "0") == "0":
         logging.getLogger("megarl").warning(
             "GPU features off: " + ", ".join(f"{name} ({why})" for name, why in off.items()))
+
+
+MMAP_THRESHOLD = 32 << 20
+TRIM_THRESHOLD = 64 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters, from <malloc.h>
+
+
+def steady_malloc() -> None:
+    """Fix glibc malloc's thresholds where on CPU they are the device allocator's: blocks up to 32 MiB come
+    from the heap, and up to 64 MiB of it freed stays mapped for the next step (no-op without glibc, or
+    where the user set MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_).
+
+    By default each process moves its thresholds with its own history of frees, so two ranks of one job
+    settle on different ones: in a 2-process step of the quick start's model (8 prompts x 8 samples) one
+    rank took 100-170 page faults a step, the other 190-1,400, each a fresh page the kernel zeroes (most
+    in the update's activations and gradients), and the first waited for the second. Fixed at the values
+    glibc's own scheme tops out at, the ranks took 68-72 and 37 a step, and the step was 2.5% faster at
+    the median of 8 alternating pairs of 200 steps (from 2% slower to 10% faster, 2026-11-28). On CUDA the
+    device memory has torch's caching allocator; host memory keeps glibc's defaults."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
+        return
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None:
+        return
+    mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
 
 
 def exit_with_parent() -> None:
