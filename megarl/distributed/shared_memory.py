@@ -98,7 +98,10 @@ def _cores_to_spare() -> bool:
 
 def _kernels_present() -> bool:
     try:
-        import vllm._C  # noqa: F401  (registers torch.ops._C)
+        from vllm.platforms import current_platform
     except ImportError:
         return False
+    # vLLM's build of its kernels for this CPU's instruction set (it ships AVX-512 and AVX2 builds; the
+    # AVX-512 one dies of an illegal instruction where the CPU lacks it); registers torch.ops._C.
+    current_platform.import_kernels()
     return hasattr(torch.ops._C, "init_shm_manager")
