@@ -174,14 +174,15 @@ def engine_params(worker):
 vllm_params = vllm.llm.collective_rpc(engine_params)[0]
 plain = [n for n in vllm_params if n in exported]
 report["vllm_plain_tensors_checked"] = len(plain)
-# vLLM pads the vocabulary rows of the embedding and LM head (and shards them at engine TP > 1):
-# compare the rows engine rank 0 holds.
-def leading_rows_equal(engine_tensor, exported_tensor):
-    rows = min(engine_tensor.shape[0], exported_tensor.shape[0])
-    return torch.equal(engine_tensor[:rows], exported_tensor[:rows].to(engine_tensor.dtype))
+# vLLM pads the vocabulary rows of the embedding and LM head, and at engine TP > 1 shards tensors by rows
+# or, in row-parallel layers (kept plain where vLLM cannot pack them: bfloat16 on a CPU without AVX-512),
+# by columns: engine rank 0 holds the leading block of each, what is left of its padding cut off.
+def leading_block_equal(engine_tensor, exported_tensor):
+    block = tuple(slice(0, min(a, b)) for a, b in zip(engine_tensor.shape, exported_tensor.shape))
+    return torch.equal(engine_tensor[block], exported_tensor[block].to(engine_tensor.dtype))
 
 
-report["vllm_plain_bit_identical"] = all(leading_rows_equal(vllm_params[n], exported[n]) for n in plain)
+report["vllm_plain_bit_identical"] = all(leading_block_equal(vllm_params[n], exported[n]) for n in plain)
 
 
 def cpu_experts_isa(worker):
