@@ -168,19 +168,24 @@ def uneven_sequence_parallel():
 def faster_collectives():
     # Not a bridge: the distributed optimizer's in-place buffer collectives, as megatron calls them (in a
     # coalescing manager), and megarl's small collectives give what gloo's own give: through shared
-    # memory where the ranks share a host (they do here) and vLLM's build for this CPU has the kernels
-    # (its AVX-512 builds do, its AVX2 build does not), over gloo otherwise.
+    # memory where the ranks share a host (they do here): with vLLM's kernels where its build for this CPU
+    # has them (its AVX-512 builds do, its AVX2 build does not), else with megarl's segment, which a
+    # group made as if the kernels were missing runs on any x86 CPU; over gloo where the ranks seem apart.
     import socket
     from unittest import mock
 
-    from megarl.distributed.shared_memory import shared_memory_group
+    from megarl.distributed import shared_memory
 
     init_layout()
-    assert (shared_memory_group(dist.group.WORLD) is not None) == torch.cpu._is_avx512_supported()
+    kind = shared_memory.VllmKernelGroup if torch.cpu._is_avx512_supported() else shared_memory.SegmentGroup
+    assert type(shared_memory.shared_memory_group(dist.group.WORLD)) is kind
+    segment = dist.new_group([0, 1])
+    with mock.patch.object(shared_memory, "_kernels_present", return_value=False):
+        assert type(shared_memory.shared_memory_group(segment)) is shared_memory.SegmentGroup
     apart = dist.new_group([0, 1])
     with mock.patch.object(socket, "gethostname", return_value=f"host{dist.get_rank()}"):
-        assert shared_memory_group(apart) is None
-    for group in (dist.group.WORLD, apart):
+        assert shared_memory.shared_memory_group(apart) is None
+    for group in (dist.group.WORLD, segment, apart):
         _buffer_collectives_equal_gloo(group)
         _small_collectives_equal_gloo(group)
 
@@ -222,7 +227,7 @@ def _buffer_collectives_equal_gloo(group):
     from torch.distributed.distributed_c10d import _coalescing_manager
 
     buffers = sys.modules["megatron.core.distributed.param_and_grad_buffer"]
-    rank, half = dist.get_rank(), 1000
+    rank, half = dist.get_rank(), 300_000  # 1.2 MB a rank: over a segment's slot, so in two rounds
     for seed in range(3):
         grads = torch.randn(2 * half, generator=torch.Generator().manual_seed(10 * seed + rank))
         expected = torch.empty(half)
