@@ -39,6 +39,16 @@ def test_products_take_onednn_only_where_it_is_faster():
     assert cpu_matmul.matmul(torch.ones(48, 0), torch.ones(0, 5)).eq(0).all()
 
 
+def test_a_cpu_without_avx512_keeps_torchs_products(monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    cpu_matmul.onednn_faster.cache_clear()
+    try:
+        assert not cpu_matmul.onednn_faster()
+    finally:
+        monkeypatch.undo()
+        cpu_matmul.onednn_faster.cache_clear()
+
+
 def test_a_product_whose_gradient_is_needed_stays_with_autograd():
     x = _random(48, 128).float().requires_grad_()
     weight = _random(96, 128, seed=1).float()
