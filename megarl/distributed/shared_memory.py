@@ -27,6 +27,7 @@ a killed job leaves nothing in /dev/shm.
 
 from __future__ import annotations
 
+import abc
 import os
 import platform
 import socket
@@ -53,18 +54,18 @@ _groups: dict[object, SharedMemoryGroup | None] = {}
 _made_for_ranks: Counter[tuple[int, ...]] = Counter()
 
 
-class SharedMemoryGroup:
+class SharedMemoryGroup(abc.ABC):
     """What both kinds of group offer: `all_reduce(tensor)`, the sum over the group in place (fp32,
     bf16 or fp16, contiguous); `all_gather(output, shard)`, every rank's `shard` in rank order into
     `output` (`shard` may be this rank's part of it); and `gather_rows`."""
 
     size: int
 
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def all_reduce(self, tensor: torch.Tensor) -> None: ...
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> None: ...
 
     def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's `tensor` (of one shape and any dtype on every rank) stacked in rank order: a new
@@ -113,11 +114,12 @@ class SegmentGroup(SharedMemoryGroup):
         path = f"/dev/shm/{_segment_name(ranks)}"
         self.size, self.rank = len(ranks), dist.get_rank(group)
         flag_bytes = self.size * FLAG_STRIDE * 8
+        segment_bytes = flag_bytes + 2 * self.size * SLOT_BYTES
         if self.rank == 0:
             with open(path, "wb") as segment:
-                segment.truncate(flag_bytes + 2 * self.size * SLOT_BYTES)
+                segment.truncate(segment_bytes)
         dist.barrier(group)
-        memory = torch.from_file(path, shared=True, size=flag_bytes + 2 * self.size * SLOT_BYTES, dtype=torch.uint8)
+        memory = torch.from_file(path, shared=True, size=segment_bytes, dtype=torch.uint8)
         dist.barrier(group)
         if self.rank == 0:
             os.unlink(path)

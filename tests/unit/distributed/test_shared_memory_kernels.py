@@ -1,6 +1,7 @@
 """The shared-memory collectives' kernels come from vLLM's build for this CPU's instruction set: where
-the CPU lacks AVX-512, vLLM's AVX2 build, which has none of them, so megarl's small collectives stay
-on gloo, and the AVX-512 builds are never loaded (they die of an illegal instruction on such a CPU)."""
+the CPU lacks AVX-512, vLLM's AVX2 build, which has none of them, so megarl's collectives run on its own
+segment (`SegmentGroup`), and the AVX-512 builds are never loaded (they die of an illegal instruction on
+such a CPU)."""
 
 import subprocess
 import sys
