@@ -115,8 +115,9 @@ def freeze_start_up_objects() -> None:
     A run's start-up leaves about a million tracked objects (megatron-core, vLLM, transformers and
     their modules; 0.97 M on the quick start's ranks), and each full collection walks all of them:
     540-740 ms on a 2-core CPU host, a pause of several steps whenever the objects a run keeps (its
-    metrics' history, the tracker's) have grown by a quarter of that. vLLM freezes its own start-up
-    objects so; creating the engine undoes it (`megarl.rollout.vllm_backend`), and the whole start-up
-    is frozen here instead. Frozen objects are still freed when their last reference goes."""
+    metrics' history, the tracker's) have grown by a quarter of that. A collection walks only the
+    objects not frozen yet: called again, this walks only what was made since (the vLLM engine's
+    creation calls it first, `megarl.rollout.vllm_backend`). Frozen objects are still freed when their
+    last reference goes."""
     gc.collect()
     gc.freeze()

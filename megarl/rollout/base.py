@@ -122,8 +122,8 @@ class RolloutEngine(Protocol):
         "kv_cache" after it, so that each comes back into memory the trainer has just freed."""
 
     def shutdown(self) -> None:
-        """The last call of a job, on every rank together: release the engine and what outlives the
-        process (shared memory). A backend's teardown may destroy the process groups."""
+        """The last call of a job, on every rank, before its processes end (`finish_process`): release
+        what would outlive them (shared memory)."""
 
 
 ROLLOUT_BACKENDS: Registry[type] = Registry("rollout backend")

@@ -2,9 +2,11 @@
 
 vLLM joins the existing process group (`external_launcher`) and builds its own groups on top, so
 it must be created after ours; joining ours also set vLLM's environment (`megarl.distributed.process`).
-Creating it has process-wide side effects that we undo: it reseeds the python/numpy/torch RNGs,
-replaces `torch.set_num_threads` with a no-op and freezes the GC (the trainer freezes the whole start-up
-once it is done: `megarl.trainer.startup.freeze_start_up_objects`).
+Creating it has process-wide side effects that we undo: it reseeds the python/numpy/torch RNGs and
+replaces `torch.set_num_threads` with a no-op. It also collects the garbage and freezes every object
+(`vllm.utils.gc_utils.freeze_gc_heap`), as megarl does before a run's first step
+(`megarl.distributed.process.freeze_start_up_objects`): the process's objects are frozen just before, so
+that the engine's full collection walks only its own (one walk of the start-up's million objects, not two).
 Logprobs are the *processed* ones (after temperature), the distribution tokens were sampled from.
 Responses come back as token ids only (no detokenization: the trainer decodes once, for rewards).
 Partial rollouts drive the engine a step at a time through vLLM's own engine API (`submit`, `step`, `abort`:
@@ -21,7 +23,6 @@ too: a CUDA graph replays its kernels without calling the hook.
 from __future__ import annotations
 
 import contextlib
-import gc
 import glob
 import logging
 import os
@@ -30,9 +31,9 @@ from typing import Iterable
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from megarl import device
+from megarl.distributed.process import freeze_start_up_objects
 from megarl.rollout import routing_capture
 from megarl.rollout.base import (ROLLOUT_BACKENDS, Advance, RolloutOutput, Sampling, WeightUpdateGuard,
                                  check_none_submitted, check_one_response, routed_experts_shape)
@@ -54,7 +55,6 @@ def _preserve_process_state():
         torch.set_rng_state(states[2])
         if cuda_states is not None:
             torch.cuda.set_rng_state_all(cuda_states)
-        gc.unfreeze()
 
 
 _RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
@@ -152,6 +152,7 @@ class VLLMRollout:
         with _preserve_process_state():
             from vllm import LLM
 
+            freeze_start_up_objects()  # vLLM's own freeze then collects only what the engine makes
             memory = (
                 {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": device.sleep_mode()}
                 if device.cuda()
@@ -263,12 +264,12 @@ class VLLMRollout:
         self.guard.end()
 
     def shutdown(self) -> None:
-        """Tear the engine down and remove this job's shared-memory segments (vLLM's CPU TP groups).
+        """Remove this job's shared-memory segments (vLLM's CPU TP groups), which would outlive it.
 
-        vLLM's teardown destroys every process group of this process, the default one included, so
-        the ranks first wait for each other: none may still need a group."""
-        dist.barrier()
-        self.llm.llm_engine.engine_core.shutdown()
+        The engine itself ends with the process (`finish_process`, which skips the interpreter's
+        teardown and with it vLLM's exit hook). vLLM's own teardown would free the KV cache and
+        garbage-collect every object of the process, 1.7 s at the end of a 2-process quick start,
+        for a process about to end; it also destroys every process group."""
         for path in glob.glob(f"/dev/shm/{os.environ['VLLM_DIST_IDENT']}-*cpushm*"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
