@@ -13,8 +13,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "checkpoints_tools"))
 
-import make_tiny_model  # noqa: E402
-
 # Every family, tied and untied, plus a value model: the models parity tests run over.
 TINY_MODELS = {
     "llama-tied": ["--family", "llama"],
@@ -62,6 +60,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _make_tiny_models(root: Path, models: dict[str, list[str]]) -> dict[str, Path]:
+    import make_tiny_model  # transformers' model classes: 3 s to import, for the sessions that make models
+
     for seed, (name, args) in enumerate(models.items()):
         make_tiny_model.main(["--out", str(root / name), "--seed", str(seed), *args])
     return {name: root / name for name in models}
