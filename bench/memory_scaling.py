@@ -118,6 +118,7 @@ def worker(steps: int, overrides: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
+    from megarl.distributed import finish_process
     from megarl.trainer.rl_trainer import RLTrainer
     from megarl.trainer.startup import start_run
 
@@ -136,6 +137,7 @@ def worker(steps: int, overrides: list[str]) -> None:
     if dist.get_rank() == 0:
         print("MEMORY " + json.dumps(reports), flush=True)
     trainer.placement.shutdown()
+    finish_process()
 
 
 # ---- driver -----------------------------------------------------------------------------------------

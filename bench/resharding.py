@@ -46,7 +46,7 @@ def sync_worker(bucket_mib: int, engine_tp: int) -> None:
     import torch.distributed as dist
 
     from megarl.config.schema import EngineConfig, ModelConfig
-    from megarl.distributed import init_layout
+    from megarl.distributed import finish_process, init_layout
     from megarl.engine.megatron_engine import MegatronEngine
     from megarl.resharding.executor import WeightSync
     from megarl.rollout.vllm_backend import VLLMRollout
@@ -82,6 +82,7 @@ def sync_worker(bucket_mib: int, engine_tp: int) -> None:
     if dist.get_rank() == 0:
         print("SYNC " + json.dumps(gathered), flush=True)
     engine.shutdown()
+    finish_process()
 
 
 def rollout_worker(kind: str) -> None:
@@ -90,7 +91,7 @@ def rollout_worker(kind: str) -> None:
 
     if kind == "megarl":
         from megarl.config.schema import EngineConfig, ModelConfig
-        from megarl.distributed import init_layout
+        from megarl.distributed import finish_process, init_layout
         from megarl.engine.megatron_engine import MegatronEngine
         from megarl.resharding.executor import WeightSync
 
@@ -121,6 +122,7 @@ def rollout_worker(kind: str) -> None:
     print("ROLLOUT " + json.dumps({"tokens": tokens, "seconds": seconds}), flush=True)
     if kind == "megarl":
         engine.shutdown()
+        finish_process()
 
 
 def main() -> None:

@@ -168,6 +168,7 @@ def worker(overrides: list[str], warmup: int, steps: int, profile_steps: int, to
     import torch
     import torch.distributed as dist
 
+    from megarl.distributed import finish_process
     from megarl.distributed.process import freeze_start_up_objects
     from megarl.tracking.console import quiet_third_party_logs
 
@@ -211,6 +212,7 @@ def worker(overrides: list[str], warmup: int, steps: int, profile_steps: int, to
             "python": python_costs(python_profiles, profile_steps, top), "syncs": syncs}), flush=True)
     trainer.tracker.close()
     trainer.placement.shutdown()
+    finish_process()
 
 
 def run_logged(command: list[str], log: Path) -> str:
