@@ -43,14 +43,14 @@ def finish_process(status: int = 0) -> NoReturn:
     process groups, flush the console and exit at once with `status` (nonzero where a check the run
     made failed), without the interpreter's teardown.
 
-    By now everything the run leaves is written (checkpoints waited for, the tracker closed, the
-    rollout engine's shared memory removed). The teardown is skipped for two reasons. It would garbage-collect the
-    million-odd objects torch, megatron-core and vLLM create on import: 3-4 s of every launch (a 2-step
-    quick start over 2 processes: 17.5 and 18.2 s against 20.9 and 22.6 s with it). And it can abort a
-    process whose work is done ("terminate called without an active exception"): megatron's parallel
-    state and the trainer's objects keep gloo's groups alive past `destroy_process_group`, and a gloo
-    worker thread that frees a tensor during the teardown is stopped inside C++ code that may not be
-    left that way."""
+    By now everything the run leaves is written (checkpoints waited for, the tracker closed, the rollout
+    engine's shared memory removed). The teardown is skipped for two reasons. It would garbage-collect
+    the million-odd objects torch, megatron-core and vLLM create on import: 3-4 s of every launch (a
+    2-step quick start over 2 processes: 17.5 and 18.2 s against 20.9 and 22.6 s with it). And it can
+    abort a process whose work is done ("terminate called without an active exception"): megatron's
+    parallel state and the trainer's objects keep gloo's groups alive past `destroy_process_group`, and
+    a gloo worker thread that frees a tensor during the teardown is stopped inside C++ code that may not
+    be left that way."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
