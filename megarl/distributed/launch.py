@@ -9,7 +9,6 @@ model, engine or checkpoint exists.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import sys
@@ -19,6 +18,7 @@ import torch.distributed as dist
 
 from megarl import device
 from megarl.distributed.process import configure_process
+from megarl.distributed.timeouts import collective_timeout
 
 
 def init_process_group() -> None:
@@ -58,10 +58,6 @@ def finish_process(status: int = 0) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
-
-
-def collective_timeout() -> datetime.timedelta:
-    return datetime.timedelta(minutes=float(os.environ.get("MEGARL_COLLECTIVE_TIMEOUT_MINUTES", "30")))
 
 
 def _free_port() -> int:

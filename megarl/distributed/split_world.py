@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megarl import device
-from megarl.distributed.launch import collective_timeout
+from megarl.distributed.timeouts import collective_timeout
 from megarl.distributed.process import configure_process
 
 

@@ -188,6 +188,27 @@ def faster_collectives():
     for group in (dist.group.WORLD, segment, apart):
         _buffer_collectives_equal_gloo(group)
         _small_collectives_equal_gloo(group)
+    _segment_names_the_rank_that_never_came()
+
+
+def _segment_names_the_rank_that_never_came():
+    # Rank 1 skips a collective that rank 0 enters: rank 0 raises once the timeout has passed.
+    import time
+
+    from megarl.distributed import shared_memory
+
+    timeout_s = 0.5
+    group = shared_memory.SegmentGroup(dist.new_group([0, 1]), (0, 1), timeout_s)
+    if dist.get_rank() == 0:
+        start = time.monotonic()
+        try:
+            group.all_reduce(torch.ones(4))
+        except RuntimeError as error:
+            assert "rank(s) [1] did not come within 0.5 s" in str(error), error
+            assert timeout_s <= time.monotonic() - start < timeout_s + 1.0
+        else:
+            raise AssertionError("a collective that rank 1 never entered returned")
+    dist.barrier()
 
 
 def faster_matmuls():
