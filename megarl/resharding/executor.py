@@ -208,7 +208,12 @@ class WeightSync:
         most = torch.tensor([mine[name] for name in hf_names], dtype=torch.int64,
                             device=next(module.parameters()).device)
         collectives.all_reduce(most, op=dist.ReduceOp.MAX)
-        self.buckets = layer_buckets(dict(zip(hf_names, most.tolist())), bucket_bytes)
+        bucket_sizes = dict(zip(hf_names, most.tolist()))
+        self.buckets = layer_buckets(bucket_sizes, bucket_bytes)
+        self.largest_bucket_bytes = max((sum(bucket_sizes[name] for name in names) for names in self.buckets),
+                                        default=0)
+        """The most any rank allocates for one bucket by the plan: `bucket_bytes` or less, unless a single
+        unit (a decoder layer, a global tensor) is larger."""
         # This rank's transfers per bucket, in one order on every rank: p2p messages between a pair
         # of ranks arrive in the order they were posted.
         bucket_of = {name: index for index, names in enumerate(self.buckets) for name in names}
