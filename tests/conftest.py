@@ -87,5 +87,11 @@ def torchrun(nproc: int, script: str | Path, *args: str, timeout: int = 300) -> 
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def megarl_shared_memory() -> set[str]:
+    """The files of megarl's jobs in /dev/shm: its collectives' segments, and vLLM's CPU segments, named
+    after the `VLLM_DIST_IDENT` megarl sets (`megarl.distributed.process`)."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith("megarl")}
+
+
 def assert_succeeded(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"

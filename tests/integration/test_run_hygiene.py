@@ -4,7 +4,8 @@ One lineage of launches shares a checkpoint directory: a run saves steps 1 and 2
 is then truncated to 0 bytes; a run with another output directory (so another mlflow store) resumes
 automatically. It must skip the damaged checkpoint for step 1, start a new mlflow run instead of
 crashing on the one the checkpoint names, keep only the checkpoint it just wrote, and keep its
-mlflow artifacts in its run directory. The first run's console holds no known library notice.
+mlflow artifacts in its run directory. The first run's console holds no known library notice, and
+it leaves nothing in /dev/shm.
 Start-up failures (resume_mode=disable into that directory, a reward function with the wrong
 signature) print one line once and leave no config.yaml; a reward function returning None stops the
 run at its first step.
@@ -19,7 +20,7 @@ import mlflow
 import pytest
 
 from megarl.data.synthetic import make_arithmetic
-from tests.conftest import ROOT, assert_succeeded, torchrun
+from tests.conftest import ROOT, assert_succeeded, megarl_shared_memory, torchrun
 
 EXPERIMENT = "quickstart_grpo"
 
@@ -41,8 +42,10 @@ def lineage(tiny_models, tmp_path_factory):
         return result
 
     launch.root = root
+    shared_memory_before = megarl_shared_memory()
     launch.first = launch("first", "trainer.total_steps=2", "trainer.save_freq=1")
     assert_succeeded(launch.first)
+    launch.shared_memory_left = megarl_shared_memory() - shared_memory_before
     return launch
 
 
@@ -68,6 +71,12 @@ def test_a_run_prints_no_library_notice_it_has_no_use_for(lineage):
                    "SSM cache", "set_num_threads", "FutureWarning", "Traceback", "terminate called"):
         assert notice not in output, output
     assert "step 2: reward/mean=" in output
+
+
+def test_a_run_leaves_nothing_in_shared_memory(lineage):
+    """The first run's 2 processes on 2 cores gather and reduce through a shared-memory segment
+    (`megarl.distributed.shared_memory`): once it has ended, /dev/shm holds no file of it."""
+    assert not lineage.shared_memory_left
 
 
 def test_disable_into_a_directory_with_checkpoints_refuses_before_building_anything(lineage):

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megarl.data.dataset import load_rows
 from megarl.data.synthetic import make_arithmetic
-from tests.conftest import ROOT, assert_succeeded, torchrun
+from tests.conftest import ROOT, assert_succeeded, megarl_shared_memory, torchrun
 from tests.integration import user_environment
 
 
@@ -163,15 +163,18 @@ def test_grpo_at_tp2_pp2_dp2_on_vllm_engines_at_tp2(tiny_models, arithmetic, tmp
     # fed by the resharding sync every step. The engines' log-probs of their own samples match the
     # trainer's (the weights arrived whole and in place), and each sequence is scored exactly once
     # though both ranks of an engine hold it: 4 prompts x 8 samples x 2 steps, and 8 validation
-    # prompts before training and after the last step.
+    # prompts before training and after the last step. vLLM's engines of TP2 on an AVX-512 CPU talk
+    # through shared-memory segments: the run leaves none in /dev/shm.
     calls = tmp_path / "calls"
     calls.mkdir()
     monkeypatch.setenv("MEGARL_TEST_REWARD_CALLS", str(calls))
+    shared_memory_before = megarl_shared_memory()
     result = torchrun(8, ROOT / "launchers/train_ppo.py", "--config", "configs/quickstart.yaml",
                       *_overrides(tiny_models["qwen2-untied"], arithmetic, tmp_path, "actor.tp=2", "actor.pp=2",
                                   "rollout.tp=2", f"reward.function={USER_REWARD}"),
                       timeout=900)
     assert_succeeded(result)
+    assert megarl_shared_memory() <= shared_memory_before
     run = tmp_path / "quickstart_grpo"
     assert sum(len(f.read_text().splitlines()) for f in calls.iterdir()) == 4 * 8 * 2 + 2 * 8
     mismatch = _values(run, "quickstart_grpo", "mismatch/logprob_abs_diff_max")
