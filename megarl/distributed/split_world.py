@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from megarl import device
-from megarl.distributed.timeouts import collective_timeout
 from megarl.distributed.process import configure_process
+from megarl.distributed.timeouts import collective_timeout
 
 
 @dataclass
