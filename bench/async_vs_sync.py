@@ -216,11 +216,9 @@ def workload(args: argparse.Namespace) -> list[str]:
         return []
     # The KV cache holds every sequence of a step at full length, partial rollouts' groups in flight too.
     # Greedy decoding writes dots to the length limit (a dot is always the likeliest next token): validation samples.
-    # Micro-batches of a token budget: padding every sequence to the step's longest would make the tail
-    # cost training time too.
     return [f"data.train_files=[{LONG_TAIL}/data/train.parquet]", f"data.val_files=[{LONG_TAIL}/data/test.parquet]",
             f"data.max_response_length={LONG_TAIL_RESPONSE_LENGTH}", "rollout.kv_cache_mib=256",
-            "rollout.val_temperature=1.0", "actor.use_dynamic_batch_size=true"]
+            "rollout.val_temperature=1.0"]
 
 
 def contenders(nproc: int, args: argparse.Namespace) -> list[Contender]:

@@ -62,8 +62,7 @@ def ensure_long_tail_model(log_dir: Path) -> Path:
             "launchers/train_sft.py", "--config", "configs/quickstart_sft.yaml", f"model.path={quickstart}",
             f"data.train_files=[{LONG_TAIL}/data/train.parquet]",
             f"data.max_response_length={LONG_TAIL_RESPONSE_LENGTH}", f"trainer.output_dir={LONG_TAIL}",
-            "trainer.total_steps=100", "actor.optim.lr_warmup_steps=10",
-            "actor.use_dynamic_batch_size=true"])))  # a long target pads its own micro-batch alone
+            "trainer.total_steps=100", "actor.optim.lr_warmup_steps=10"])))
 
 
 def ensure_agent_model(log_dir: Path) -> Path:

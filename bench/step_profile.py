@@ -1,14 +1,16 @@
 """Where an RL step's time goes: the quick start's GRPO step, phase by phase, on 1 and 2 processes.
 
     python bench/step_profile.py [--nproc 1 2] [--shapes 16x8 8x8] [--steps 20] [--profile-steps 5] [--model 30m]
+                                 [KEY=VALUE ...]
 
 Each run is a torchrun launch of this file that builds the quick start's `RLTrainer` as
-`launchers/train_ppo.py` does (configs/quickstart.yaml on the quick start's SFT checkpoint, made
-first as `make quickstart` makes it when missing; a shape PxS overrides the prompts per step and the
-samples per prompt; `--model 30m` swaps in the benchmarks' ~30M Qwen2 of bench/common.py, random
-weights, with bench/trl_vs_megarl.py's lengths: prompts <= 16, responses <= 8 tokens) and calls its
-`step` directly, with one substitution: the trainer's `PhaseTimer` also opens a `torch.profiler` range
-and, when asked, a cProfile of its own for each phase. Steps:
+`launchers/train_ppo.py` does (configs/quickstart.yaml on the quick start's SFT checkpoint, made first as
+`make quickstart` makes it when missing; a shape PxS overrides the prompts per step and the samples per
+prompt; KEY=VALUE overrides come last (e.g. actor.micro_batch_size_per_rank=4; by default a rank's whole
+share, at most the quick start's 64, runs as one micro-batch); `--model 30m` swaps in the benchmarks' ~30M
+Qwen2 of bench/common.py, random weights, with bench/trl_vs_megarl.py's lengths: prompts <= 16, responses
+<= 8 tokens) and calls its `step` directly, with one substitution: the trainer's `PhaseTimer` also opens a
+`torch.profiler` range and, when asked, a cProfile of its own for each phase. Steps:
 
 1. `--warmup` steps, not counted; then the start-up's objects are frozen out of the garbage collector's
    sight, as the trainer's loop does before its first step (`freeze_start_up_objects`);
@@ -236,6 +238,7 @@ def profile_run(nproc: int, prompts: int, samples: int, args) -> dict:
                  f"trainer.output_dir={OUT}", f"trainer.experiment_name={name}", "trainer.loggers=[console]"]
     if args.model == "30m":
         overrides += [f"model.path={ensure_bench_model()}", "data.max_prompt_length=16", "data.max_response_length=8"]
+    overrides += args.overrides
     command = torchrun(nproc) + [__file__, "--worker", json.dumps(overrides), "--warmup", str(args.warmup),
                                  "--steps", str(args.steps), "--profile-steps", str(args.profile_steps),
                                  "--top", str(args.top)]
@@ -249,8 +252,9 @@ def report(result: dict, prompts: int, samples: int, nproc: int, args) -> None:
     phase_ms = {phase: 1e3 * statistics.mean(values) for phase, values in result["phases"].items()}
     step_ms = 1e3 * statistics.mean(walls)
     between_ms = step_ms - sum(phase_ms.values())
+    settings = " ".join(args.overrides) or f"micro-batches of {result['micro_batch']}"
     print(f"\n{args.model} model, {prompts} prompts x {samples} samples, {nproc} process{'es' if nproc > 1 else ''} "
-          f"({result['layout']}, micro-batches of {result['micro_batch']}), rank 0: {len(walls)} steps after "
+          f"({result['layout']}, {settings}), rank 0: {len(walls)} steps after "
           f"{args.warmup} warm-up, step {step_ms:.1f} ms mean, {1e3 * statistics.median(walls):.1f} ms median")
     print(f"  {'phase':<16} {'ms mean':>8} {'median':>8} {'share':>6}")
     for phase, ms in phase_ms.items():
@@ -289,6 +293,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=6, help="costs listed per phase, of each kind")
     parser.add_argument("--model", choices=("1m", "30m"), default="1m",
                         help="1m: the quick start's SFT checkpoint; 30m: the benchmarks' ~30M Qwen2")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, after the bench's own")
     parser.add_argument("--worker", metavar="OVERRIDES_JSON", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

@@ -107,7 +107,7 @@ def worker(model_dir: str, tp: int) -> None:
     torch.set_num_threads(1)
     layout = init_layout(tp=tp)
     config = ActorConfig(optim=OptimizerConfig(lr=1e-6), ppo_mini_batch_size=SEQUENCES,
-                         micro_batch_size_per_rank=MICRO_BATCH)
+                         micro_batch_size_per_rank=MICRO_BATCH, use_dynamic_batch_size=False)
     engine = MegatronEngine(layout, ModelConfig(path=model_dir), config, total_optimizer_steps=STEPS + WARMUP)
     plain = PlainMegatronLoop(load_hf_model(model_dir, layout)[0], lr=1e-6)
     batch = make_batch(engine.arch.vocab_size)

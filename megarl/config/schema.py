@@ -164,24 +164,27 @@ class EngineConfig:
     """Passes over each RL batch; every sample is used exactly once per pass."""
 
     micro_batch_size_per_rank: int = 4
-    """Sequences per forward/backward on one DP rank (fixed-size batching). Larger is faster (fewer, fuller
-    forwards: the CPU quick starts take a rank's whole share, 64) until activations outgrow memory, which 4
-    keeps small for billion-parameter models; a multiple of rollout.n keeps each group's prompt in one
-    shared row (share_prompt_forward)."""
+    """Sequences per forward/backward on one DP rank: with `use_dynamic_batch_size`, the default token budget's
+    measure (this many of the share's longest sequences); without, the fixed size. Larger is faster (fewer,
+    fuller forwards: the CPU quick starts take a rank's whole share, 64) until activations outgrow memory,
+    which 4 keeps small for billion-parameter models."""
 
-    use_dynamic_batch_size: bool = False
-    """Form micro-batches under a token budget (`max_token_len_per_rank`) instead of a fixed size: balanced by
-    tokens where sequences are packed (Transformer Engine); where rows are padded to the widest (megatron's
-    local layers, as on CPU; rows of a prompt and its responses where prompts are shared) narrow rows go
-    together, so that a long tail of response lengths does not pad every short sequence to its length
-    (`megarl.engine.batching`: the colocated update 4.9x faster on a long-tailed bench task, bench/README.md).
-    Off by default: the budget must hold the longest sequence (a longer one stops the step), and a mixture-of-experts
-    model's router losses are taken per micro-batch, so its micro-batches' makeup changes them."""
+    use_dynamic_batch_size: bool = True
+    """Form micro-batches under a token budget (`max_token_len_per_rank`): balanced by tokens where sequences
+    are packed (Transformer Engine); where rows are padded to the widest (megatron's local layers, as on CPU;
+    rows of a prompt and its responses where prompts are shared) narrow rows go together, so that a long tail
+    of response lengths does not pad every short sequence to its length (`megarl.engine.batching`: the
+    colocated update 4.9x faster on a long-tailed bench task, bench/README.md), and a GRPO group's prompt and
+    responses stay in one row while they fit. false: micro-batches of `micro_batch_size_per_rank` sequences in
+    the share's order. A mixture-of-experts model's router losses are taken per micro-batch, so which
+    sequences share one changes them (as any micro-batch size does)."""
 
-    max_token_len_per_rank: int = 4096
+    max_token_len_per_rank: int = 0
     """Token budget of one micro-batch on one rank when `use_dynamic_batch_size` is set: its real tokens where
-    sequences are packed (Transformer Engine), its padded tokens (sequences x the longest) where rows are
-    right-padded to the longest."""
+    sequences are packed (Transformer Engine), its padded tokens (rows x the widest) where rows are right-padded
+    to the widest; a longer sequence stops the step. 0: `micro_batch_size_per_rank` times the longest sequence
+    of the rank's share: the default's micro-batches hold no more tokens than fixed-size ones of that share
+    could, and shorter sequences share them."""
 
     use_distributed_optimizer: bool = True
     """megatron's distributed optimizer: optimizer state sharded over DP ranks (at DP1 it shards nothing

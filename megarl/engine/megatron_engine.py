@@ -262,8 +262,10 @@ class MegatronEngine:
     def _budgeted_micro_batches(self, batch: SequenceBatch) -> list[list[int]]:
         """Under the token budget: packed sequences balanced by their tokens; rows padded to the micro-batch's
         widest (a sequence each, or a prompt with its responses where the model shares prompts) by their
-        padded tokens, narrowest rows together (`megarl.engine.batching`)."""
-        budget = self.config.max_token_len_per_rank
+        padded tokens, narrowest rows together (`megarl.engine.batching`). The default budget: the share's longest
+        sequence `micro_batch_size_per_rank` times."""
+        budget = (self.config.max_token_len_per_rank
+                  or self.config.micro_batch_size_per_rank * int(batch.sequence_lengths_B.max()))
         if self.positioned_rope is None:
             cut = budgeted_micro_batches if self.packed else padded_micro_batches
             return cut(list(range(len(batch))), batch.sequence_lengths_B, budget)

@@ -55,7 +55,8 @@ prompt_lengths = torch.tensor([5, 3, 8, 4, 6, 2, 7, 3])
 response_lengths = torch.tensor([10, 12, 6, 15, 1, 9, 4, 13])
 lengths = prompt_lengths + response_lengths
 tokens = torch.randint(5, 100, (8, 24), generator=generator)
-engine_config = EngineConfig(micro_batch_size_per_rank=MICRO_BATCH,
+# Fixed-size micro-batches: the reference takes the router losses over the same micro-batches.
+engine_config = EngineConfig(micro_batch_size_per_rank=MICRO_BATCH, use_dynamic_batch_size=False,
                              optim=OptimizerConfig(lr=1e-3, adam_eps=1e-6, clip_grad=1.0, weight_decay=0.01))
 moe_losses = MoEConfig(aux_loss_coeff=AUX, z_loss_coeff=Z)
 

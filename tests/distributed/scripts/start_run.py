@@ -1,21 +1,32 @@
 """Start a run under torchrun, write its config as a trainer does, and report the layout each rank joined;
 then build the run's actor engine as the RL trainer does, and again for rollout.n = 1, and report whether
-each shares prompts."""
+each shares prompts and the micro-batches it cuts a GRPO share into: two prompts of 30 tokens, each with 8
+responses of 2-4 tokens."""
 
 import sys
 from dataclasses import replace
 
+import torch
+
 from megarl.distributed import finish_process
+from megarl.engine.batch import SequenceBatch
 from megarl.engine.megatron_engine import MegatronEngine
 from megarl.engine.prompt_sharing import PromptGroups
 from megarl.trainer.startup import start_run
+
+PROMPT = 30
+RESPONSES = [4] * 8 + [2, 3, 4, 2, 3, 4, 2, 3]
 
 run = start_run(sys.argv[1:], rl=True)
 run.save_config()
 print(f"rank {run.layout.rank}: {run.layout} tp_rank={run.layout.tp_rank} run_dir={run.run_dir}", flush=True)
 config = run.config
+tokens = torch.randint(5, 100, (len(RESPONSES), PROMPT + max(RESPONSES)), generator=torch.Generator().manual_seed(0))
+tokens[1:8, :PROMPT], tokens[9:, :PROMPT] = tokens[0, :PROMPT], tokens[8, :PROMPT]
+share = SequenceBatch(tokens, torch.full((len(RESPONSES),), PROMPT), torch.tensor(RESPONSES))
 for n in (config.rollout.n, 1):
     groups = PromptGroups.of_run(replace(config, rollout=replace(config.rollout, n=n)))
     actor = MegatronEngine(run.layout, config.model, config.actor, total_optimizer_steps=1, groups=groups)
     print(f"rank {run.layout.rank}: rollout.n={n} shares prompts: {actor.positioned_rope is not None}", flush=True)
+    print(f"rank {run.layout.rank}: rollout.n={n} micro-batches: {actor._micro_batches(share)}", flush=True)
 finish_process()

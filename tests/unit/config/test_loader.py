@@ -245,7 +245,10 @@ def test_layout_rejects_rollout_tp_not_dividing_the_world():
 BAD_BATCHES = [
     pytest.param(["data.train_batch_size=3", "rollout.n=8", "actor.tp=2"], 8, True,
                  ["'data.train_batch_size' = 3", "4 DP ranks", "at least 4"], id="fewer prompts than DP ranks"),
-    pytest.param(["data.train_batch_size=3"], 2, False, ["'data.train_batch_size' = 3", "2 DP ranks"], id="sft"),
+    pytest.param(["data.train_batch_size=1"], 2, False, ["'data.train_batch_size' = 1", "2 DP ranks", "at least 2"],
+                 id="sft"),
+    pytest.param(["data.train_batch_size=3", "actor.use_dynamic_batch_size=false"], 2, False,
+                 ["'data.train_batch_size' = 3", "2 DP ranks", "a multiple of 2"], id="sft, fixed-size micro-batches"),
 ]
 
 
