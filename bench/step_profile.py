@@ -6,8 +6,8 @@
 Each run is a torchrun launch of this file that builds the quick start's `RLTrainer` as
 `launchers/train_ppo.py` does (configs/quickstart.yaml on the quick start's SFT checkpoint, made first as
 `make quickstart` makes it when missing; a shape PxS overrides the prompts per step and the samples per
-prompt; KEY=VALUE overrides come last (e.g. actor.micro_batch_size_per_rank=4; by default a rank's whole
-share, at most the quick start's 64, runs as one micro-batch); `--model 30m` swaps in the benchmarks' ~30M
+prompt; KEY=VALUE overrides come last (e.g. actor.micro_batch_size_per_rank=4; by default its token budget
+takes a rank's whole share, at most the quick start's 64); `--model 30m` swaps in the benchmarks' ~30M
 Qwen2 of bench/common.py, random weights, with bench/trl_vs_megarl.py's lengths: prompts <= 16, responses
 <= 8 tokens) and calls its `step` directly, with one substitution: the trainer's `PhaseTimer` also opens a
 `torch.profiler` range and, when asked, a cProfile of its own for each phase. Steps:
@@ -252,7 +252,7 @@ def report(result: dict, prompts: int, samples: int, nproc: int, args) -> None:
     phase_ms = {phase: 1e3 * statistics.mean(values) for phase, values in result["phases"].items()}
     step_ms = 1e3 * statistics.mean(walls)
     between_ms = step_ms - sum(phase_ms.values())
-    settings = " ".join(args.overrides) or f"micro-batches of {result['micro_batch']}"
+    settings = " ".join([f"actor.micro_batch_size_per_rank={result['micro_batch']}", *args.overrides])
     print(f"\n{args.model} model, {prompts} prompts x {samples} samples, {nproc} process{'es' if nproc > 1 else ''} "
           f"({result['layout']}, {settings}), rank 0: {len(walls)} steps after "
           f"{args.warmup} warm-up, step {step_ms:.1f} ms mean, {1e3 * statistics.median(walls):.1f} ms median")

@@ -4,6 +4,8 @@ a GRPO share into micro-batches under a token budget."""
 
 from __future__ import annotations
 
+import ast
+
 from megarl.config import load_config
 from tests.conftest import ROOT, assert_succeeded, torchrun
 
@@ -28,7 +30,7 @@ def test_actor_of_a_config_without_tuning_keys_shares_prompts_and_not_at_one_sam
     one line, from rank 0 alone.
 
     Its micro-batches take a token budget of 4 (micro_batch_size_per_rank) x the share's longest sequence,
-    30 + 4 = 136 tokens. The share (two 30-token prompts, 8 responses each: all of 4 tokens, then 2-4) shared:
+    4 x (30 + 4) = 136 tokens. The share (two 30-token prompts, 8 responses each: all of 4 tokens, then 2-4) shared:
     rows of 30 + 32 = 62 and 30 + 23 = 53 tokens, both padded to 62 = 124 tokens: one micro-batch (fixed-size
     micro-batches of 4 would run four). Not shared: 16 sequences of 32-34 tokens, at most 4 in one (136 / 34,
     136 / 33 and 136 / 32 all round down to 4): four micro-batches, none over the budget."""
@@ -39,8 +41,9 @@ def test_actor_of_a_config_without_tuning_keys_shares_prompts_and_not_at_one_sam
         assert f"rank {rank}: rollout.n=8 shares prompts: True" in result.stdout
         assert f"rank {rank}: rollout.n=1 shares prompts: False" in result.stdout
         assert f"rank {rank}: rollout.n=8 micro-batches: [{list(range(16))}]" in result.stdout
-        unshared = eval(next(line for line in result.stdout.splitlines()
-                             if line.startswith(f"rank {rank}: rollout.n=1 micro-batches: ")).split(": ", 2)[2])
+        unshared = ast.literal_eval(next(line for line in result.stdout.splitlines()
+                                         if line.startswith(f"rank {rank}: rollout.n=1 micro-batches: ")
+                                         ).split(": ", 2)[2])
         assert sorted(i for micro in unshared for i in micro) == list(range(16)) and len(unshared) == 4
         assert all(len(micro) * max(PROMPT_AND_RESPONSES[i] for i in micro) <= 136 for micro in unshared)
     notices = [line for line in result.stderr.splitlines() if "prompt sharing off" in line]
