@@ -6,8 +6,8 @@
 Each run is a torchrun launch of this file that builds the quick start's `RLTrainer` as
 `launchers/train_ppo.py` does (configs/quickstart.yaml on the quick start's SFT checkpoint, made first as
 `make quickstart` makes it when missing; a shape PxS overrides the prompts per step and the samples per
-prompt; KEY=VALUE overrides come last (e.g. actor.micro_batch_size_per_rank=4; by default its token budget
-takes a rank's whole share, at most the quick start's 64); `--model 30m` swaps in the benchmarks' ~30M
+prompt; KEY=VALUE overrides come last (e.g. actor.max_token_len_per_rank=128; by default the token budget
+takes a rank's whole share of these sizes in one micro-batch); `--model 30m` swaps in the benchmarks' ~30M
 Qwen2 of bench/common.py, random weights, with bench/trl_vs_megarl.py's lengths: prompts <= 16, responses
 <= 8 tokens) and calls its `step` directly, with one substitution: the trainer's `PhaseTimer` also opens a
 `torch.profiler` range and, when asked, a cProfile of its own for each phase. Steps:
@@ -231,9 +231,8 @@ def profile_run(nproc: int, prompts: int, samples: int, args) -> dict:
     from common import ensure_bench_model, torchrun
 
     name = f"{args.model}_{prompts}x{samples}_{nproc}proc"
-    micro_batch = min(64, prompts * samples // nproc)  # the quick start's 64, or every sequence of a rank
     overrides = ["--config", "configs/quickstart.yaml", f"data.train_batch_size={prompts}",
-                 f"actor.ppo_mini_batch_size={prompts}", f"actor.micro_batch_size_per_rank={micro_batch}",
+                 f"actor.ppo_mini_batch_size={prompts}",
                  f"rollout.n={samples}", f"trainer.total_steps={args.warmup + args.steps + 2 * args.profile_steps}",
                  f"trainer.output_dir={OUT}", f"trainer.experiment_name={name}", "trainer.loggers=[console]"]
     if args.model == "30m":
@@ -244,7 +243,7 @@ def profile_run(nproc: int, prompts: int, samples: int, args) -> dict:
                                  "--top", str(args.top)]
     stdout = run_logged(command, OUT / f"{name}.log")
     line = next(line for line in stdout.splitlines() if line.startswith(MARKER + " "))
-    return json.loads(line.removeprefix(MARKER + " ")) | {"name": name, "micro_batch": micro_batch}
+    return json.loads(line.removeprefix(MARKER + " ")) | {"name": name}
 
 
 def report(result: dict, prompts: int, samples: int, nproc: int, args) -> None:
@@ -252,7 +251,7 @@ def report(result: dict, prompts: int, samples: int, nproc: int, args) -> None:
     phase_ms = {phase: 1e3 * statistics.mean(values) for phase, values in result["phases"].items()}
     step_ms = 1e3 * statistics.mean(walls)
     between_ms = step_ms - sum(phase_ms.values())
-    settings = " ".join([f"actor.micro_batch_size_per_rank={result['micro_batch']}", *args.overrides])
+    settings = " ".join(args.overrides) or "the default micro-batches"
     print(f"\n{args.model} model, {prompts} prompts x {samples} samples, {nproc} process{'es' if nproc > 1 else ''} "
           f"({result['layout']}, {settings}), rank 0: {len(walls)} steps after "
           f"{args.warmup} warm-up, step {step_ms:.1f} ms mean, {1e3 * statistics.median(walls):.1f} ms median")

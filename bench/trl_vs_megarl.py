@@ -11,9 +11,9 @@ response length (<= 8 tokens), learning rate (constant), loss (token mean, no KL
 TRL's `GRPOTrainer` in one process (HF generate; installed only in the bench environment .venv-bench,
 created on first use from bench/requirements-trl.txt), megarl in one process and megarl in two
 (torchrun, colocated vLLM). megarl runs configs/quickstart.yaml, which sets no engine tuning key: prompt
-sharing, gradient buckets and the rest are the defaults a user's own config gets; the overrides below
-set only the task, the step's shape (one micro-batch per rank, as TRL's one batch) and the settings
-above that both sides share.
+sharing, gradient buckets, micro-batches (a rank's whole share in one, as TRL's one batch, at the default
+token budget) and the rest are the defaults a user's own config gets; the overrides below set only the
+task, the step's shape and the settings above that both sides share.
 
 Sizes: `1m`, the quick start's tiny Qwen2 (h128, 4 layers, head dim 32, 0.8M parameters) from the
 quick start's SFT checkpoint; `30m`, the benchmarks' Qwen2 of bench/common.py (h512, 10 layers, GQA
@@ -200,7 +200,6 @@ def run_megarl(setting: Setting, nproc: int) -> Contender:
         "launchers/train_ppo.py", "--config", "configs/quickstart.yaml", f"model.path={setting.model}",
         f"data.train_files=[{setting.data / 'train.parquet'}]", *validation,
         f"data.train_batch_size={setting.prompts}", f"actor.ppo_mini_batch_size={setting.prompts}",
-        f"actor.micro_batch_size_per_rank={setting.prompts * setting.samples}",  # one micro-batch, as TRL's one batch
         f"rollout.n={setting.samples}", f"data.max_response_length={RESPONSE_LENGTH}",
         f"data.max_prompt_length={PROMPT_LENGTH}", f"model.dtype={setting.dtype}", f"actor.optim.lr={LR}",
         f"data.max_val_samples={NUM_TEST}",

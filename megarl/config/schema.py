@@ -165,8 +165,8 @@ class EngineConfig:
 
     micro_batch_size_per_rank: int = 4
     """Sequences per forward/backward on one DP rank: with `use_dynamic_batch_size`, the default token budget's
-    measure (this many of the share's longest sequences); without, the fixed size. Larger is faster (fewer,
-    fuller forwards: the CPU quick starts take a rank's whole share, 64) until activations outgrow memory,
+    measure (this many of the share's longest sequences, or 1 GiB of activations where that holds more);
+    without, the fixed size. Larger is faster (fewer, fuller forwards) until activations outgrow memory,
     which 4 keeps small for billion-parameter models."""
 
     use_dynamic_batch_size: bool = True
@@ -183,8 +183,10 @@ class EngineConfig:
     """Token budget of one micro-batch on one rank when `use_dynamic_batch_size` is set: its real tokens where
     sequences are packed (Transformer Engine), its padded tokens (rows x the widest) where rows are right-padded
     to the widest; a longer sequence stops the step. 0: `micro_batch_size_per_rank` times the longest sequence
-    of the rank's share: the default's micro-batches hold no more tokens than fixed-size ones of that share
-    could, and shorter sequences share them."""
+    of the rank's share (no more tokens than a fixed-size micro-batch of it holds; shorter sequences share
+    them), or as many tokens as 1 GiB of activations holds where that is more, estimated from the model's
+    shape and the share's widest row (`megarl.engine.batching.activation_bytes_per_token`): a small model
+    with short sequences, such as the CPU quick starts', runs a rank's whole share in one forward."""
 
     use_distributed_optimizer: bool = True
     """megatron's distributed optimizer: optimizer state sharded over DP ranks (at DP1 it shards nothing

@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from megarl.models.architecture import Architecture
 from megarl.seeding import derive_seed
 
 
@@ -67,6 +68,42 @@ allows, 0.45 s in micro-batches balanced by real tokens; the quick start's, with
 lengths): 0.07 s at 32, at 128 and in the fewest."""
 
 
+ACTIVATION_BYTES = 1 << 30
+"""The activations of one micro-batch that the default token budget always allows (1 GiB): a small model
+with short sequences runs a rank's whole share in one forward (a 4-sequence budget cut the quick start's
+8x8 share into four, at ~20 ms of fixed cost each on a CPU), while a larger model's budget stays
+`micro_batch_size_per_rank` sequences (1 GiB holds ~340 tokens of a 0.5B Qwen2 in bfloat16 at rows of
+1,280)."""
+
+
+def activation_bytes_per_token(arch: Architecture, dtype_bytes: int, width: int) -> int:
+    """An estimate of the bytes one token of a micro-batch keeps for backward, all layers together, counted on
+    megatron-core's local layers: per layer 8 x hidden + 4 x query + 2 x key-value (the norms' inputs and
+    outputs, the projections' inputs, RoPE's, and attention's with keys and values repeated for every query
+    head), the probabilities of unfused attention over a row of `width` tokens (heads x width), and 5 x the
+    MLP's width (its gate and up projections, their activation and product; in a mixture-of-experts layer the
+    routed experts' times top-k plus the shared expert's, and the router's scores and the token's routed
+    copies); then float32 logits. The saved tensors of a training step of the quick start's model (float32,
+    16 rows of 17 tokens, 2026-11-29) came to 54,254 bytes a token, this estimate to 58,836. Unsplit over
+    tensor parallelism; the first pipeline stage keeps as many micro-batches in flight as there are stages,
+    each over its own layers: all layers' worth again."""
+    query, key_value = arch.num_attention_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    attention = 8 * arch.hidden_size + 4 * query + 2 * key_value + arch.num_attention_heads * width
+    dense_mlp = 5 * arch.ffn_hidden_size
+    moe_mlp = (5 * (arch.moe_topk * arch.moe_ffn_hidden_size + arch.shared_expert_ffn_hidden_size)
+               + arch.num_experts + 2 * arch.moe_topk * arch.hidden_size)
+    layers = sum(attention + (moe_mlp if arch.is_moe_layer(layer) else dense_mlp) for layer in range(arch.num_layers))
+    return dtype_bytes * layers + 4 * arch.vocab_size
+
+
+def default_token_budget(arch: Architecture, dtype_bytes: int, sequences: int, longest: int, widest: int) -> int:
+    """`max_token_len_per_rank` = 0's budget: `sequences` (micro_batch_size_per_rank) times the share's
+    `longest` sequence, no more tokens than a fixed-size micro-batch of it holds, or what `ACTIVATION_BYTES`
+    holds where that is more; `widest`: the share's widest row (a prompt with its responses where prompts are
+    shared), over which attention weighs each token."""
+    return max(sequences * longest, ACTIVATION_BYTES // activation_bytes_per_token(arch, dtype_bytes, widest))
+
+
 def _check_fits(tokens: int, max_tokens: int) -> None:
     """A sequence of `tokens` fits one micro-batch alone, or the run stops here."""
     if tokens > max_tokens:
@@ -97,13 +134,18 @@ def padded_micro_batches(indices: list[int], lengths_B: torch.Tensor, max_tokens
     return runs[::-1]
 
 
+def shared_row_width(row: list[int], prompt_lengths_B: torch.Tensor, response_lengths_B: torch.Tensor) -> int:
+    """The tokens of a shared-prompt row: its prompt once, then each of its sequences' responses."""
+    return int(prompt_lengths_B[row[0]] + response_lengths_B[row].sum())
+
+
 def shared_row_micro_batches(rows: list[list[int]], prompt_lengths_B: torch.Tensor, response_lengths_B: torch.Tensor,
                              max_tokens: int) -> list[list[int]]:
     """Micro-batches of shared-prompt rows (each a prompt's sequences: one row of the prompt and their responses)
     under `max_tokens` padded tokens: the rows that fit cut as `padded_micro_batches` cuts rows; a wider one
     alone, in as many micro-batches as its responses need, each taking the next responses while they fit."""
     def width(row: list[int]) -> int:
-        return int(prompt_lengths_B[row[0]] + response_lengths_B[row].sum())
+        return shared_row_width(row, prompt_lengths_B, response_lengths_B)
 
     fitting = [row for row in rows if width(row) <= max_tokens]
     runs = padded_micro_batches(list(range(len(fitting))), torch.tensor(list(map(width, fitting))), max_tokens)

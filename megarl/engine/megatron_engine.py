@@ -49,11 +49,13 @@ from megarl.distributed.layout import ParallelLayout
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.batching import (
     budgeted_micro_batches,
+    default_token_budget,
     fixed_micro_batches,
     mini_batch_groups,
     padded_micro_batches,
     recut_micro_batches,
     shared_row_micro_batches,
+    shared_row_width,
     token_imbalance,
 )
 from megarl.engine.memory import MemoryPhases, torch_optimizers
@@ -262,14 +264,18 @@ class MegatronEngine:
     def _budgeted_micro_batches(self, batch: SequenceBatch) -> list[list[int]]:
         """Under the token budget: packed sequences balanced by their tokens; rows padded to the micro-batch's
         widest (a sequence each, or a prompt with its responses where the model shares prompts) by their
-        padded tokens, narrowest rows together (`megarl.engine.batching`). The default budget: the share's longest
-        sequence `micro_batch_size_per_rank` times."""
-        budget = (self.config.max_token_len_per_rank
-                  or self.config.micro_batch_size_per_rank * int(batch.sequence_lengths_B.max()))
-        if self.positioned_rope is None:
+        padded tokens, narrowest rows together (`megarl.engine.batching`). The default budget:
+        `default_token_budget`, from the share's longest sequence and widest row."""
+        rows = prompt_rows(batch) if self.positioned_rope is not None else None
+        longest = int(batch.sequence_lengths_B.max())
+        widest = longest if rows is None else max(
+            shared_row_width(row, batch.prompt_lengths_B, batch.response_lengths_B) for row in rows)
+        budget = self.config.max_token_len_per_rank or default_token_budget(
+            self.arch, self.module.config.params_dtype.itemsize, self.config.micro_batch_size_per_rank, longest, widest)
+        if rows is None:
             cut = budgeted_micro_batches if self.packed else padded_micro_batches
             return cut(list(range(len(batch))), batch.sequence_lengths_B, budget)
-        return shared_row_micro_batches(prompt_rows(batch), batch.prompt_lengths_B, batch.response_lengths_B, budget)
+        return shared_row_micro_batches(rows, batch.prompt_lengths_B, batch.response_lengths_B, budget)
 
     def _same_count_on_every_rank(self, micro: list[list[int]], batch: SequenceBatch, idle: bool) -> list[list[int]]:
         """Expert parallelism exchanges tokens between DP ranks in every MoE layer, so all DP ranks run

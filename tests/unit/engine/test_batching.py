@@ -3,6 +3,7 @@ an update's mini-batches of whole groups, the same at any DP, each balanced over
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -13,6 +14,7 @@ from megarl.engine.batching import (
     MICRO_BATCH_TOKENS,
     balance_over_data_parallel,
     budgeted_micro_batches,
+    default_token_budget,
     fixed_micro_batches,
     mini_batch_groups,
     owned_groups,
@@ -21,6 +23,7 @@ from megarl.engine.batching import (
     recut_micro_batches,
     token_imbalance,
 )
+from megarl.models.architecture import Architecture
 
 LENGTHS = torch.tensor([120, 30, 75, 300, 12, 64, 64, 200, 33, 90, 150, 7])
 
@@ -153,6 +156,31 @@ def _batch(prompt, response, width=12):
 def test_bad_batches_fail_naming_the_sequence(batch, needle):
     with pytest.raises(ValueError, match=needle):
         batch.validate(max_sequence_length=10)
+
+
+# The quick start's model: Qwen2 h128, 4 layers, 4 heads of 32, 2 KV heads, ffn 384, 101 tokens.
+QUICK_START = Architecture(
+    family="qwen2", value_model=False, num_layers=4, hidden_size=128, num_attention_heads=4, num_kv_heads=2,
+    head_dim=32, ffn_hidden_size=384, vocab_size=101, max_position_embeddings=512, rope_theta=1e4,
+    rope_type="default", rope_factor=1.0, rms_norm_eps=1e-6, tie_word_embeddings=True, qkv_bias=True, qk_norm=False,
+    initializer_range=0.02,
+)
+QWEN2_5_7B = dataclasses.replace(QUICK_START, num_layers=28, hidden_size=3584, num_attention_heads=28, num_kv_heads=4,
+                                 head_dim=128, ffn_hidden_size=18944, vocab_size=152064)
+
+
+def test_default_budget_holds_a_small_models_share_and_keeps_a_large_ones_to_its_sequences_by_hand():
+    """Bytes a token keeps, per layer 8 x hidden + 4 x query + 2 x key-value + heads x row + 5 x MLP, then 4 x
+    vocab. The quick start's model in float32, rows of 34: (1,024 + 512 + 128 + 136 + 1,920) x 4 layers x 4 +
+    404 = 59,924: 1 GiB holds 17,918 tokens, more than 4 sequences of 34. With 8 experts of 96, top-2, a shared
+    expert of 192 after one dense layer: 5 x (2 x 96 + 192) + 8 + 2 x 2 x 128 = 2,440 in place of 1,920 in 3
+    layers: 66,164 bytes, 16,228 tokens. Qwen2.5-7B in bfloat16, rows of 1,280: (28,672 + 14,336 + 1,024 +
+    35,840 + 94,720) x 28 x 2 + 608,256 = 10,385,408: 1 GiB holds 103, so 4 x 1,280 stays."""
+    assert default_token_budget(QUICK_START, 4, 4, 34, 34) == 17_918
+    moe = dataclasses.replace(QUICK_START, num_experts=8, moe_topk=2, moe_ffn_hidden_size=96,
+                              shared_expert_ffn_hidden_size=192, dense_layers=1)
+    assert default_token_budget(moe, 4, 4, 34, 34) == 16_228
+    assert default_token_budget(QWEN2_5_7B, 2, 4, 1280, 1280) == 4 * 1280
 
 
 def test_response_alignment_by_hand():
