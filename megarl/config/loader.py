@@ -397,9 +397,10 @@ def _check_at_least(key: str, value: int | float, minimum: int) -> None:
 
 
 def _check_engine(section: str, engine: EngineConfig) -> None:
-    for name in ("ppo_mini_batch_size", "ppo_epochs", "micro_batch_size_per_rank", "logprob_chunk_size"):
+    for name in ("ppo_mini_batch_size", "ppo_epochs", "logprob_chunk_size"):
         _check_at_least(f"{section}.{name}", getattr(engine, name), 1)
-    _check_at_least(f"{section}.max_token_len_per_rank", engine.max_token_len_per_rank, 0)
+    for name in ("micro_batch_size_per_rank", "max_token_len_per_rank"):
+        _check_at_least(f"{section}.{name}", getattr(engine, name), 0)
     _check_choice(f"{section}.optim.optimizer", engine.optim.optimizer, OPTIMIZERS)
     _check_choice(f"{section}.optim.lr_decay_style", engine.optim.lr_decay_style, LR_DECAY_STYLES)
     _check_at_least(f"{section}.optim.lr_warmup_steps", engine.optim.lr_warmup_steps, 0)

@@ -163,11 +163,14 @@ class EngineConfig:
     ppo_epochs: int = 1
     """Passes over each RL batch; every sample is used exactly once per pass."""
 
-    micro_batch_size_per_rank: int = 4
-    """Sequences per forward/backward on one DP rank: with `use_dynamic_batch_size`, the default token budget's
-    measure (this many of the share's longest sequences, or 1 GiB of activations where that holds more);
-    without, the fixed size. Larger is faster (fewer, fuller forwards) until activations outgrow memory,
-    which 4 keeps small for billion-parameter models."""
+    micro_batch_size_per_rank: int = 0
+    """Sequences per forward/backward on one DP rank: with `use_dynamic_batch_size`, the token budget's measure
+    (this many of the share's longest sequences); without, the fixed size. Larger is faster (fewer, fuller
+    forwards) until activations outgrow memory. 0: chosen from the model: under the token budget, 4 of the
+    share's longest sequences or as many tokens as 1 GiB of activations holds, whichever is more (estimated
+    from the model's shape and the share's widest row, `megarl.engine.batching.activation_bytes_per_token`: a
+    small model with short sequences, such as the CPU quick starts', runs a rank's whole share in one forward;
+    1 GiB holds ~340 tokens of a 0.5B model); fixed, 4."""
 
     use_dynamic_batch_size: bool = True
     """Form micro-batches under a token budget (`max_token_len_per_rank`): balanced by tokens where sequences
@@ -184,9 +187,7 @@ class EngineConfig:
     sequences are packed (Transformer Engine), its padded tokens (rows x the widest) where rows are right-padded
     to the widest; a longer sequence stops the step. 0: `micro_batch_size_per_rank` times the longest sequence
     of the rank's share (no more tokens than a fixed-size micro-batch of it holds; shorter sequences share
-    them), or as many tokens as 1 GiB of activations holds where that is more, estimated from the model's
-    shape and the share's widest row (`megarl.engine.batching.activation_bytes_per_token`): a small model
-    with short sequences, such as the CPU quick starts', runs a rank's whole share in one forward."""
+    them), or the model's default where that is 0 too."""
 
     use_distributed_optimizer: bool = True
     """megatron's distributed optimizer: optimizer state sharded over DP ranks (at DP1 it shards nothing

@@ -68,12 +68,15 @@ allows, 0.45 s in micro-batches balanced by real tokens; the quick start's, with
 lengths): 0.07 s at 32, at 128 and in the fewest."""
 
 
+DEFAULT_SEQUENCES = 4
+"""A micro-batch's sequences where `micro_batch_size_per_rank` is 0 (the default): the fixed size, and under a
+token budget its measure in the share's longest sequences (verl's and NeMo-RL's default micro-batch)."""
+
 ACTIVATION_BYTES = 1 << 30
 """The activations of one micro-batch that the default token budget always allows (1 GiB): a small model
-with short sequences runs a rank's whole share in one forward (a 4-sequence budget cut the quick start's
-8x8 share into four, at ~20 ms of fixed cost each on a CPU), while a larger model's budget stays
-`micro_batch_size_per_rank` sequences (1 GiB holds ~340 tokens of a 0.5B Qwen2 in bfloat16 at rows of
-1,280)."""
+with short sequences runs a rank's whole share in one forward (4 sequences cut the quick start's 8x8 share
+into four, at ~20 ms of fixed cost each on a CPU), while a larger model's budget stays `DEFAULT_SEQUENCES`
+sequences (1 GiB holds ~340 tokens of a 0.5B Qwen2 in bfloat16 at rows of 1,280)."""
 
 
 def activation_bytes_per_token(arch: Architecture, dtype_bytes: int, width: int) -> int:
@@ -96,12 +99,12 @@ def activation_bytes_per_token(arch: Architecture, dtype_bytes: int, width: int)
     return dtype_bytes * layers + 4 * arch.vocab_size
 
 
-def default_token_budget(arch: Architecture, dtype_bytes: int, sequences: int, longest: int, widest: int) -> int:
-    """`max_token_len_per_rank` = 0's budget: `sequences` (micro_batch_size_per_rank) times the share's
-    `longest` sequence, no more tokens than a fixed-size micro-batch of it holds, or what `ACTIVATION_BYTES`
-    holds where that is more; `widest`: the share's widest row (a prompt with its responses where prompts are
-    shared), over which attention weighs each token."""
-    return max(sequences * longest, ACTIVATION_BYTES // activation_bytes_per_token(arch, dtype_bytes, widest))
+def default_token_budget(arch: Architecture, dtype_bytes: int, longest: int, widest: int) -> int:
+    """The token budget where neither `max_token_len_per_rank` nor `micro_batch_size_per_rank` is set:
+    `DEFAULT_SEQUENCES` times the share's `longest` sequence, or what `ACTIVATION_BYTES` holds where that is
+    more; `widest`: the share's widest row (a prompt with its responses where prompts are shared), over which
+    attention weighs each token."""
+    return max(DEFAULT_SEQUENCES * longest, ACTIVATION_BYTES // activation_bytes_per_token(arch, dtype_bytes, widest))
 
 
 def _check_fits(tokens: int, max_tokens: int) -> None:

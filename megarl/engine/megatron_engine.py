@@ -48,6 +48,7 @@ from megarl.distributed import collectives
 from megarl.distributed.layout import ParallelLayout
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.batching import (
+    DEFAULT_SEQUENCES,
     budgeted_micro_batches,
     default_token_budget,
     fixed_micro_batches,
@@ -256,7 +257,8 @@ class MegatronEngine:
         if self.config.use_dynamic_batch_size:
             micro = self._budgeted_micro_batches(batch)
         else:
-            micro = fixed_micro_batches(list(range(len(batch))), self.config.micro_batch_size_per_rank)
+            size = self.config.micro_batch_size_per_rank or DEFAULT_SEQUENCES
+            micro = fixed_micro_batches(list(range(len(batch))), size)
         if self.layout.ep > 1:
             micro = self._same_count_on_every_rank(micro, batch, idle)
         return micro
@@ -264,14 +266,15 @@ class MegatronEngine:
     def _budgeted_micro_batches(self, batch: SequenceBatch) -> list[list[int]]:
         """Under the token budget: packed sequences balanced by their tokens; rows padded to the micro-batch's
         widest (a sequence each, or a prompt with its responses where the model shares prompts) by their
-        padded tokens, narrowest rows together (`megarl.engine.batching`). The default budget:
-        `default_token_budget`, from the share's longest sequence and widest row."""
+        padded tokens, narrowest rows together (`megarl.engine.batching`). The budget: `max_token_len_per_rank`,
+        else `micro_batch_size_per_rank` times the share's longest sequence, else `default_token_budget`."""
         rows = prompt_rows(batch) if self.positioned_rope is not None else None
         longest = int(batch.sequence_lengths_B.max())
-        widest = longest if rows is None else max(
-            shared_row_width(row, batch.prompt_lengths_B, batch.response_lengths_B) for row in rows)
-        budget = self.config.max_token_len_per_rank or default_token_budget(
-            self.arch, self.module.config.params_dtype.itemsize, self.config.micro_batch_size_per_rank, longest, widest)
+        budget = self.config.max_token_len_per_rank or self.config.micro_batch_size_per_rank * longest
+        if not budget:
+            widest = longest if rows is None else max(
+                shared_row_width(row, batch.prompt_lengths_B, batch.response_lengths_B) for row in rows)
+            budget = default_token_budget(self.arch, self.module.config.params_dtype.itemsize, longest, widest)
         if rows is None:
             cut = budgeted_micro_batches if self.packed else padded_micro_batches
             return cut(list(range(len(batch))), batch.sequence_lengths_B, budget)

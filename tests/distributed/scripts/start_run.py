@@ -1,7 +1,7 @@
 """Start a run under torchrun, write its config as a trainer does, and report the layout each rank joined;
-then build the run's actor engine as the RL trainer does, and again for rollout.n = 1, and report whether
-each shares prompts and the micro-batches it cuts a GRPO share into: two prompts of 30 tokens, each with 8
-responses of 2-4 tokens."""
+then build the run's actor engine as the RL trainer does, again for rollout.n = 1, and once more with 4 sequences
+per micro-batch set, and report whether each shares prompts and the micro-batches it cuts a GRPO share into:
+two prompts of 30 tokens, each with 8 responses of 2-4 tokens."""
 
 import sys
 from dataclasses import replace
@@ -24,9 +24,11 @@ config = run.config
 tokens = torch.randint(5, 100, (len(RESPONSES), PROMPT + max(RESPONSES)), generator=torch.Generator().manual_seed(0))
 tokens[1:8, :PROMPT], tokens[9:, :PROMPT] = tokens[0, :PROMPT], tokens[8, :PROMPT]
 share = SequenceBatch(tokens, torch.full((len(RESPONSES),), PROMPT), torch.tensor(RESPONSES))
-for n in (config.rollout.n, 1):
+for n, micro_batch_size in ((config.rollout.n, 0), (1, 0), (1, 4)):
     groups = PromptGroups.of_run(replace(config, rollout=replace(config.rollout, n=n)))
-    actor = MegatronEngine(run.layout, config.model, config.actor, total_optimizer_steps=1, groups=groups)
-    print(f"rank {run.layout.rank}: rollout.n={n} shares prompts: {actor.positioned_rope is not None}", flush=True)
-    print(f"rank {run.layout.rank}: rollout.n={n} micro-batches: {actor._micro_batches(share)}", flush=True)
+    engine = replace(config.actor, micro_batch_size_per_rank=micro_batch_size)
+    actor = MegatronEngine(run.layout, config.model, engine, total_optimizer_steps=1, groups=groups)
+    case = f"rollout.n={n}" + (f" micro_batch_size_per_rank={micro_batch_size}" if micro_batch_size else "")
+    print(f"rank {run.layout.rank}: {case} shares prompts: {actor.positioned_rope is not None}", flush=True)
+    print(f"rank {run.layout.rank}: {case} micro-batches: {actor._micro_batches(share)}", flush=True)
 finish_process()

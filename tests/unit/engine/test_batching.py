@@ -176,11 +176,11 @@ def test_default_budget_holds_a_small_models_share_and_keeps_a_large_ones_to_its
     expert of 192 after one dense layer: 5 x (2 x 96 + 192) + 8 + 2 x 2 x 128 = 2,440 in place of 1,920 in 3
     layers: 66,164 bytes, 16,228 tokens. Qwen2.5-7B in bfloat16, rows of 1,280: (28,672 + 14,336 + 1,024 +
     35,840 + 94,720) x 28 x 2 + 608,256 = 10,385,408: 1 GiB holds 103, so 4 x 1,280 stays."""
-    assert default_token_budget(QUICK_START, 4, 4, 34, 34) == 17_918
+    assert default_token_budget(QUICK_START, 4, 34, 34) == 17_918
     moe = dataclasses.replace(QUICK_START, num_experts=8, moe_topk=2, moe_ffn_hidden_size=96,
                               shared_expert_ffn_hidden_size=192, dense_layers=1)
-    assert default_token_budget(moe, 4, 4, 34, 34) == 16_228
-    assert default_token_budget(QWEN2_5_7B, 2, 4, 1280, 1280) == 4 * 1280
+    assert default_token_budget(moe, 4, 34, 34) == 16_228
+    assert default_token_budget(QWEN2_5_7B, 2, 1280, 1280) == 4 * 1280
 
 
 def test_response_alignment_by_hand():
