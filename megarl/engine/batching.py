@@ -18,6 +18,7 @@ counts must agree (`recut_micro_batches`).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -147,9 +148,8 @@ def shared_row_micro_batches(rows: list[list[int]], prompt_lengths_B: torch.Tens
     """Micro-batches of shared-prompt rows (each a prompt's sequences: one row of the prompt and their responses)
     under `max_tokens` padded tokens: the rows that fit cut as `padded_micro_batches` cuts rows; a wider one
     alone, in as many micro-batches as its responses need, each taking the next responses while they fit."""
-    def width(row: list[int]) -> int:
-        return shared_row_width(row, prompt_lengths_B, response_lengths_B)
-
+    width = functools.partial(shared_row_width, prompt_lengths_B=prompt_lengths_B,
+                              response_lengths_B=response_lengths_B)
     fitting = [row for row in rows if width(row) <= max_tokens]
     runs = padded_micro_batches(list(range(len(fitting))), torch.tensor(list(map(width, fitting))), max_tokens)
     micro = [sorted(i for r in run for i in fitting[r]) for run in runs]

@@ -23,7 +23,7 @@ from megarl.engine.batching import (
     recut_micro_batches,
     token_imbalance,
 )
-from megarl.models.architecture import Architecture
+from tests.unit.engine.test_prompt_sharing import QUICK_START
 
 LENGTHS = torch.tensor([120, 30, 75, 300, 12, 64, 64, 200, 33, 90, 150, 7])
 
@@ -158,13 +158,6 @@ def test_bad_batches_fail_naming_the_sequence(batch, needle):
         batch.validate(max_sequence_length=10)
 
 
-# The quick start's model: Qwen2 h128, 4 layers, 4 heads of 32, 2 KV heads, ffn 384, 101 tokens.
-QUICK_START = Architecture(
-    family="qwen2", value_model=False, num_layers=4, hidden_size=128, num_attention_heads=4, num_kv_heads=2,
-    head_dim=32, ffn_hidden_size=384, vocab_size=101, max_position_embeddings=512, rope_theta=1e4,
-    rope_type="default", rope_factor=1.0, rms_norm_eps=1e-6, tie_word_embeddings=True, qkv_bias=True, qk_norm=False,
-    initializer_range=0.02,
-)
 QWEN2_5_7B = dataclasses.replace(QUICK_START, num_layers=28, hidden_size=3584, num_attention_heads=28, num_kv_heads=4,
                                  head_dim=128, ffn_hidden_size=18944, vocab_size=152064)
 
