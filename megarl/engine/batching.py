@@ -124,7 +124,7 @@ def padded_micro_batches(indices: list[int], lengths_B: torch.Tensor, max_tokens
     lengths = [int(lengths_B[i]) for i in order]
     _check_fits(max(lengths, default=0), max_tokens)
     # least[j]: the least cost of the first j sorted rows; start[j]: where the run that ends at j begins (the
-    # first of the cheapest). Each j weighs every start at once: a share of 1,024 rows in 4 ms, not 55.
+    # first of the cheapest). Each j weighs every start at once: a share of 1,024 rows in 8 ms, not 55.
     least, start = np.zeros(len(order) + 1), [0] * (len(order) + 1)
     for j in range(1, len(order) + 1):
         longest = lengths[j - 1]
