@@ -19,8 +19,8 @@ counts must agree (`recut_micro_batches`).
 from __future__ import annotations
 
 import functools
-import numpy as np
 
+import numpy as np
 import torch
 
 from megarl.models.architecture import Architecture
