@@ -33,7 +33,7 @@ Schedules, per step of the same samples on the same G GPUs (steady state), as me
   where rollout() simulates megarl's partial rollouts response by response (`simulate_partial_rollouts`):
   a step's batch is the first groups to finish, the engine stays full, and the price of carrying the
   tail across steps is paid where megarl pays it: each response continuing after a sync recomputes its
-  KV cache (unless `rollout.keep_kv`), and groups older than the bound are generated anew.
+  KV cache (unless `rollout.keep_kv`), and a step waits for a group at the last step the bound allows it.
 For each, the best split of G into rollout and trainer GPUs (whole nodes) and verl's even split.
 """
 
@@ -304,8 +304,8 @@ class _Response:
 @dataclass(eq=False)
 class _Group:
     unfinished: int
-    oldest: int | None = None
-    """The policy version of its oldest token; None before it has one."""
+    last_batch: int
+    """The last batch that may train on it: admitted on version v, batch v + 1 + staleness."""
     responses: list[_Response] = field(default_factory=list)
 
 
@@ -317,29 +317,29 @@ class PartialSteps:
     """Engine seconds per step, KV recomputation included (the rollout ranks wait out the rest of the step)."""
     recompute_seconds: float
     """Of which: re-filling the KV cache of the responses that continue after a sync."""
-    restarted: float
-    """Groups generated anew (their tokens thrown away: older than the staleness bound) per group trained."""
     trained_length: float
-    """Mean length of the responses trained on (the workload's mean: no bias towards short ones)."""
+    """Mean length of the responses trained on (every group admitted is trained: the workload's mean)."""
 
 
 def simulate_partial_rollouts(pricing: Pricing, num_gpus: int, staleness: int, keep_kv: bool,
                               steps: int = 24, warmup: int = 8, seed: int = 0) -> PartialSteps:
     """megarl's partial rollouts (`megarl.generation.partial`) on one of `num_gpus / engine_tp` identical engines,
     response by response: `rollout.partial_groups` groups in flight (its default: a step's prompts, dealt over
-    the engines); a finished group's place goes to a new prompt at once; batch j is the first groups to finish
-    (the engine's share of a step's prompts) and is filled while the trainer trains on batch j - 1, with the
-    weights of version j - 2; then the engine waits for the sync to version j - 1, which pauses every request.
-    Groups with a token older than version j - 1 - staleness are generated anew, and, unless `keep_kv` (the
-    requests staying in the engine through the sync, KV cache and all: `rollout.keep_kv`), every response
-    that continues after a sync first recomputes the KV cache of its prompt and tokens so far. Response
-    lengths are drawn from the workload's distribution with `seed`; the first `warmup` steps are left out."""
+    the engines); a finished group's place goes to a new prompt at once; batch j is filled while the trainer
+    trains on batch j - 1, with the weights of version j - 2; then the engine waits for the sync to version
+    j - 1, which pauses every request. A group admitted on version v must be trained by batch v + 1 + staleness:
+    a prompt is admitted only if batches of the engine's share, the earliest last batches first, can still take
+    every group admitted in time, and batch j is the finished groups of the earliest last batches once those
+    left can still be taken in time. Unless `keep_kv` (the requests staying in the engine through the sync, KV
+    cache and all: `rollout.keep_kv`), every response that continues after a sync first recomputes the KV cache
+    of its prompt and tokens so far. Response lengths are drawn from the workload's distribution with `seed`;
+    the first `warmup` steps are left out."""
     w = pricing.workload
     engines = num_gpus // pricing.cluster.engine_tp
     share, limit, rng = w.prompts / engines, pricing.max_concurrent(), random.Random(seed)
     groups_in_flight = max(1, round(share))
     in_flight: list[_Group] = []
-    finished: deque[_Group] = deque()
+    finished: list[_Group] = []
     pending: deque[_Response] = deque()
     """Responses to (re)submit, in order: those that continue after a pause, then new groups'."""
     running: list[tuple[int, int, int, _Response]] = []
@@ -347,24 +347,33 @@ def simulate_partial_rollouts(pricing: Pricing, num_gpus: int, staleness: int, k
     submission, response)."""
     submitted = itertools.count()
     iteration = offsets = taken = 0
-    seconds = recompute = restarted = trained_tokens = trained_responses = 0.0
+    seconds = recompute = trained_tokens = trained_responses = 0.0
+
+    def late(groups: list[_Group], taken: int) -> bool:
+        """Whether batches from the one after `taken` groups on, the earliest last batches first, would take one
+        of `groups` after its last batch (the engine's share of batches 1 .. b: round(b * share) groups)."""
+        order = sorted(group.last_batch for group in groups)
+        return any(taken + i >= round(last * share) for i, last in enumerate(order))
+
+    def ready(wanted: int) -> list[_Group] | None:
+        batch = sorted(finished, key=lambda group: group.last_batch)[:wanted]
+        left = [group for group in [*finished, *in_flight] if group not in batch]
+        return batch if len(batch) == wanted and not late(left, taken + wanted) else None
+
     for batch in range(1, warmup + steps + 1):
-        version, oldest_allowed = max(0, batch - 2), batch - 1 - staleness
+        version = max(0, batch - 2)
         if batch == warmup + 1:
-            seconds = recompute = restarted = trained_tokens = trained_responses = 0.0
-        stale = {id(g) for g in [*in_flight, *finished] if g.oldest is not None and g.oldest < oldest_allowed}
-        restarted += len(stale)
-        in_flight = [g for g in in_flight if id(g) not in stale]
-        finished = deque(g for g in finished if id(g) not in stale)
-        pending = deque(r for r in pending if id(r.group) not in stale)
+            seconds = recompute = trained_tokens = trained_responses = 0.0
         if batch > 2 and not keep_kv:  # a sync (to version batch - 2) paused what continues now
             cost = pricing.prefill_seconds([w.prompt_length + r.generated for r in pending if r.generated])
             seconds, recompute = seconds + cost, recompute + cost
         wanted = round(batch * share) - taken
-        while len(finished) < wanted:
+        while (trained := ready(wanted)) is None:
             admitted = []
             while len(in_flight) < groups_in_flight:
-                group = _Group(w.samples)
+                group = _Group(w.samples, version + 1 + staleness)
+                if late([*finished, *in_flight, group], taken):
+                    break
                 group.responses = [_Response(w.responses.draw(rng), group) for _ in range(w.samples)]
                 in_flight.append(group)
                 admitted += group.responses
@@ -372,8 +381,6 @@ def simulate_partial_rollouts(pricing: Pricing, num_gpus: int, staleness: int, k
             seconds += pricing.prefill_seconds([w.prompt_length] * len(admitted))
             while pending and len(running) < limit:
                 response = pending.popleft()
-                if response.group.oldest is None:
-                    response.group.oldest = version
                 start = iteration - response.generated
                 heapq.heappush(running, (start + response.length, start, next(submitted), response))
                 offsets += start
@@ -388,8 +395,8 @@ def simulate_partial_rollouts(pricing: Pricing, num_gpus: int, staleness: int, k
                 if not response.group.unfinished:
                     in_flight.remove(response.group)
                     finished.append(response.group)
-        for _ in range(wanted):
-            group = finished.popleft()
+        for group in trained:
+            finished.remove(group)
             trained_tokens += sum(r.length for r in group.responses)
             trained_responses += len(group.responses)
         taken += wanted
@@ -399,9 +406,7 @@ def simulate_partial_rollouts(pricing: Pricing, num_gpus: int, staleness: int, k
             response.generated = iteration - start
         pending.extendleft(response for *_, response in reversed(paused))
         running, offsets = [], 0
-    trained_groups = trained_responses / w.samples
-    return PartialSteps(seconds / steps, recompute / steps, restarted / trained_groups,
-                        trained_tokens / trained_responses)
+    return PartialSteps(seconds / steps, recompute / steps, trained_tokens / trained_responses)
 
 
 @dataclass(frozen=True)
@@ -523,11 +528,11 @@ def report(pricing: Pricing, published: Published | None) -> None:
         partial = best.partial
         rows.append([schedule.name, f"{best_rollout}:{n - best_rollout}", f"{best.seconds:.1f}",
                      f"{baseline / best.seconds:.2f}", f"{best.rollout_busy:.0f} / {best.trainer_busy:.0f}",
-                     f"{partial.recompute_seconds:.0f} / {partial.restarted:.2f} / {partial.trained_length:.0f}"
+                     f"{partial.recompute_seconds:.0f} / {partial.trained_length:.0f}"
                      if partial else "", f"{at_even.seconds:.1f}", f"{baseline / at_even.seconds:.2f}",
                      f"{at_even.rollout_busy:.0f} / {at_even.trainer_busy:.0f}"])
     print_table(["schedule", "best rollout:trainer", "step s", "speed-up", "busy s (gen / train)",
-                 "KV recompute s / restarts / length", f"step s at {even}:{even}", "speed-up",
+                 "KV recompute s / length", f"step s at {even}:{even}", "speed-up",
                  "busy s (gen / train)"], rows)
     if published:
         ratio = published.colocated["step"] / published.fully_async["step"]

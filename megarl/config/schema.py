@@ -499,10 +499,11 @@ class RolloutConfig:
     trainer trains: a step's batch is the first groups to finish, a finished group's place in the engine goes
     to the next prompt at once, and a response unfinished when new weights arrive leaves the engine for the
     sync and continues on them, so the slowest response no longer sets the step. Every token keeps the policy
-    version that sampled it and its log-prob under that version; a group whose oldest token is more than
-    trainer.max_staleness versions behind is generated anew (`megarl.generation.partial`). With
-    rollout.multi_turn: the environment answers each turn as it ends (`megarl.generation.partial_turns`).
-    false: every batch is generated whole, at once."""
+    version that sampled it and its log-prob under that version; a group admitted on version v is trained by
+    step v + 1 + trainer.max_staleness (no prompt is admitted that could not be, and a step waits for a group
+    due at it), so none is thrown away (`megarl.generation.partial`). With rollout.multi_turn: the environment
+    answers each turn as it ends (`megarl.generation.partial_turns`). false: every batch is generated whole,
+    at once."""
 
     partial_groups: int = 0
     """Partial rollouts: prompt groups (a prompt's `n` responses) in flight at once; more keeps the engine's

@@ -1,7 +1,7 @@
 """Partial rollouts: responses generated continuously, across weight versions (split placement).
 
     partial = PartialRollouts(config, tokenizer, rewards, dataset, sampler, engine)
-    rollouts, indices, metrics = partial.take(step, version)   # B_step, scored: the engines step until it is done
+    rollouts, indices, metrics = partial.take(step, version)   # B_step, scored: the engines step until it is ready
     partial.fill(step + 1, version)                             # while the trainer trains: on towards B_(step+1)
     partial.pause(keep)                                         # before a weight sync
     state = partial.state_dict(); partial.load_state_dict(state)
@@ -19,10 +19,15 @@ the sync and go on over their cache (`megarl.placement.split` says which syncs).
 Every token keeps the policy version that sampled it and its log-prob under that version: the behaviour
 policy the trainer's rollout correction divides by, token by token (`megarl.algorithms.rollout_correction`).
 
-Finished groups wait in the order they finished. B_s is the first `train_batch_size` of them whose oldest
-token is at most `trainer.max_staleness` versions behind version s - 1 (what step s may train on); a group
-older than that, waiting or in flight, can never be trained on and is generated anew from its prompt. The
-engine's weights are never older than that bound (`megarl.placement.split`), so the steps end.
+A group admitted on version v has no token older than v, so step s may train on it while v >= s - 1 -
+`trainer.max_staleness` (what step s may train on): its last step is v + 1 + max_staleness. Every group admitted
+is trained by its last step, none is thrown away: a prompt is admitted only if batches of `train_batch_size`,
+the earliest last steps first, can still take every group admitted by its last step, and B_s is the
+`train_batch_size` finished groups of the earliest last steps (the first to finish first) once the groups
+left can still be taken in time; until then the engines go on, the trainer waits. So long responses are
+trained as often as short ones (a bound kept by generating old groups anew would throw away the long ones and
+teach the policy to answer short), and a group still running at its last step sets that step. The engine's
+weights are never older than the bound (`megarl.placement.split`), so the steps end.
 
 Engine replicas step in lockstep: after each step every rollout rank learns what each replica's step added,
 so all hold the same responses and make the same decisions; a new request goes to the replica running the
@@ -79,16 +84,13 @@ class Group:
     """The prompt's index in the dataset."""
     admission: int
     """How many prompts were admitted before this one (seeds its responses)."""
+    version: int
+    """The engine's policy version when it was admitted: its tokens are no older."""
     responses: list[Response]
 
     @property
     def finished(self) -> bool:
         return all(response.finish_reason is not None for response in self.responses)
-
-    @property
-    def oldest_version(self) -> int | None:
-        """The version of its oldest token; None before its first."""
-        return min((r.versions[0] for r in self.responses if r.versions), default=None)
 
 
 class Request(NamedTuple):
@@ -127,27 +129,27 @@ class PartialRollouts:
 
     def take(self, step: int, version: int) -> tuple[Rollouts, list[int], dict[str, float]]:
         """B_step, scored (every rollout rank holds every response), its prompts' dataset indices and how it
-        was made; the engines step with their weights (`version`) until enough groups are finished."""
-        self.fill(step, version)
-        batch, self.finished = self.finished[:self.batch_size], self.finished[self.batch_size:]
+        was made; the engines step with their weights (`version`) until it is ready."""
+        batch = self.fill(step, version)
+        taken = {group.admission for group in batch}
+        self.finished = [group for group in self.finished if group.admission not in taken]
         metrics = {"rollout/engine_steps": float(self.engine_steps), "rollout/restarted_groups": float(self.restarted),
                    "rollout/kept_requests": float(self.kept)}
         self.engine_steps = self.restarted = self.kept = 0
         rollouts = self.responses.scored(batch, self.dataset, self.n, self.config.rollout.tp)
         return rollouts, [group.index for group in batch], metrics
 
-    def fill(self, step: int, version: int) -> None:
-        """Step the engines with their weights (`version`) until `train_batch_size` finished groups are young
-        enough for step `step`."""
+    def fill(self, step: int, version: int) -> list[Group]:
+        """Step the engines with their weights (`version`) until B_step is ready; it is returned, still waiting."""
         oldest_allowed = step - 1 - self.config.trainer.max_staleness
         if version < oldest_allowed:
             raise RuntimeError(f"step {step}: the engine holds policy version {version}, older than any token "
                                f"step {step} may train on ({oldest_allowed})")
-        while True:
-            self._restart_older_than(oldest_allowed)
-            if len(self.finished) >= self.batch_size:
-                return
-            self.advance(version)
+        # None but after a resume with a smaller trainer.max_staleness: groups too many to take in time
+        self._restart(self._late(self.finished + self.in_flight, step))
+        while (batch := self._ready_batch(step)) is None:
+            self.advance(step, version)
+        return batch
 
     def pause(self, keep: bool) -> None:
         """Before a weight sync: every request out of the engines, its response to continue as a new request; or,
@@ -171,10 +173,10 @@ class PartialRollouts:
         self.in_flight, self.finished = _groups(state["in_flight"]), _groups(state["finished"])
         self._restart(self.responses.restore(self.in_flight, self.dataset))
 
-    def advance(self, version: int) -> None:
-        """One step of the engines (with their weights, `version`): groups admitted into free places and every
-        unfinished response that no engine runs submitted first."""
-        self._admit()
+    def advance(self, step: int, version: int) -> None:
+        """One step of the engines (with their weights, `version`) towards B_step: groups admitted into free
+        places and every unfinished response that no engine runs submitted first."""
+        self._admit(step, version)
         self._submit()
         advanced = []
         for advance in self._step():
@@ -190,12 +192,25 @@ class PartialRollouts:
         self.finished += [group for group in self.in_flight if group.finished]
         self.in_flight = [group for group in self.in_flight if not group.finished]
 
-    def _restart_older_than(self, version: int) -> None:
-        """Groups with a token older than `version` start again from their prompts (in their order)."""
-        def stale(group: Group) -> bool:
-            return group.oldest_version is not None and group.oldest_version < version
+    def _last_step(self, group: Group) -> int:
+        """The last step that may train on `group`."""
+        return group.version + 1 + self.config.trainer.max_staleness
 
-        self._restart([group for group in self.finished + self.in_flight if stale(group)])
+    def _late(self, groups: list[Group], step: int) -> list[Group]:
+        """Those of `groups` that batches of `train_batch_size` from step `step` on, the earliest last steps
+        first, would take after their last steps."""
+        order = sorted(groups, key=self._last_step)
+        return [group for i, group in enumerate(order) if step + i // self.batch_size > self._last_step(group)]
+
+    def _ready_batch(self, step: int) -> list[Group] | None:
+        """B_step: the `train_batch_size` finished groups of the earliest last steps, the first finished first,
+        if every group left can still be taken by its last step; None while not."""
+        if len(self.finished) < self.batch_size:
+            return None
+        batch = sorted(self.finished, key=self._last_step)[:self.batch_size]
+        taken = {group.admission for group in batch}
+        left = [group for group in self.finished + self.in_flight if group.admission not in taken]
+        return None if self._late(left, step + 1) else batch
 
     def _restart(self, groups: list[Group]) -> None:
         """`groups` (finished or in flight) are generated anew from their prompts, first of the prompts to admit."""
@@ -210,12 +225,17 @@ class PartialRollouts:
         self.restarted += len(groups)
         self.responses.release(groups)
 
-    def _admit(self) -> None:
+    def _admit(self, step: int, version: int) -> None:
+        """Prompts into the free places, while every group admitted can still be trained by its last step."""
         admitted = []
         while len(self.in_flight) + len(admitted) < self.groups_in_flight:
             if not self.waiting:
                 self.waiting = self.sampler.next_batch()
-            admitted.append(Group(self.waiting.pop(0), self.admitted, [Response() for _ in range(self.n)]))
+            group = Group(self.waiting[0], self.admitted, version, [Response() for _ in range(self.n)])
+            if self._late(self.finished + self.in_flight + admitted + [group], step):
+                break
+            admitted.append(group)
+            self.waiting.pop(0)
             self.admitted += 1
         self.responses.open(admitted, self.dataset)
         self.in_flight += admitted
@@ -303,6 +323,6 @@ class SingleTurns:
 
 
 def _groups(values: list[dict]) -> list[Group]:
-    return [Group(v["index"], v["admission"],
+    return [Group(v["index"], v["admission"], v["version"],
                   [Response(**{**r, "turn": r["turn"] and TurnState(**r["turn"])}) for r in v["responses"]])
             for v in values]

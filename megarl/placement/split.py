@@ -27,9 +27,9 @@ whichever prompts they came from: the rollout ranks' engines generate continuous
 sync to s-1 and, while the trainer trains on it, the engines go on towards B_(s+1) (in place of generating
 ahead); before each sync every request leaves the engines, and a response left unfinished continues after it
 on the newer weights (with `rollout.keep_kv` the requests stay in the engines through a step's sync, unless a
-checkpoint was taken since the last sync, and through none before a validation). The bound on staleness counts
-each response's oldest token, every token carries its version, and the checkpoint holds the responses in flight
-and the rollout ranks' sampler (the trainer's goes unused).
+checkpoint was taken since the last sync, and through none before a validation). A group admitted on version v
+is trained by step v + 1 + max_staleness, every token carries its version, and the checkpoint holds the
+responses in flight and the rollout ranks' sampler (the trainer's goes unused).
 
 Multi-turn rollouts (`rollout.multi_turn`) run on the rollout ranks, whole or partial; a batch carries each
 trajectory's opening (its prompt), loss mask and counts.

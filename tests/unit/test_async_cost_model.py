@@ -1,8 +1,8 @@
 """bench/async_cost_model.py in its limiting case: no tail, no sync cost, no fixed costs, decode
 compute-bound. Then overlapping generation with training gains exactly what the arithmetic says,
 computed here by hand from the FLOPs, and partial rollouts (simulated response by response) generate
-each step's groups together, as a whole batch does. Then the simulation's restarts and KV recomputation,
-traced by hand on a workload of scripted lengths."""
+each step's groups together, as a whole batch does. Then how the simulation trains a long group within the
+staleness bound, and its KV recomputation, traced by hand on a workload of scripted lengths."""
 
 from dataclasses import dataclass, field
 
@@ -71,18 +71,19 @@ class ScriptedLengths(ResponseLengths):
 
 
 @pytest.mark.parametrize("staleness, keep_kv, recomputed", [
-    (1, False, None),  # the long group is dropped at batch 3, before anything of it is recomputed
-    (2, False, 4),  # it continues at batch 3 (its 4 tokens' cache recomputed after the sync), dropped at batch 4
+    (1, False, None),  # the long group is trained at batch 2, before any sync
+    (2, False, 4),  # it continues at batch 3 (its 4 tokens' cache recomputed after the sync), trained there
     (2, True, None),  # kept in the engine through the sync: nothing to recompute
 ])
-def test_partial_rollouts_restart_a_group_older_than_the_bound(staleness, keep_kv, recomputed):
-    # One engine, 2 groups of one response in flight, 2 trained per batch: the first response runs 100 tokens,
-    # every other one 1. Batch 1 (weights version 0) trains the two 1-token groups that finish at iterations 1
-    # and 2; the long one pauses with 2 tokens and goes on in batch 2 (version 0) beside two more short groups
-    # (iterations 3 and 4), pausing with 4 tokens. Batch b keeps groups whose oldest token is of version
-    # b - 1 - staleness or newer: at staleness 1 batch 3 drops it; at staleness 2 it continues in batch 3
-    # (its KV cache of the prompt and 4 tokens recomputed, unless kept), pauses with 6 tokens and batch 4 drops
-    # it. Either way 8 short groups are trained in 4 batches and one group is generated anew.
+def test_partial_rollouts_train_a_long_group_by_its_last_batch(staleness, keep_kv, recomputed):
+    # One engine, 2 groups of one response in flight, 2 trained per batch: the first response (group A) runs
+    # 100 tokens, every other one 1. Every group is admitted on version 0 until batch 3, so its last batch is
+    # 1 + staleness. Batch 1 trains the two 1-token groups that finish at iterations 1 and 2; A pauses with 2
+    # tokens. At staleness 1 batch 2 must take A: one short group is admitted beside it (a second could not be
+    # trained in time), and the engine runs A alone to its end. At staleness 2 batch 2 trains two more short
+    # groups and A pauses with 4 tokens; batch 3 (version 1) must take A, continued after the sync (its KV
+    # cache of the prompt and 4 tokens recomputed, unless kept), and short groups are admitted beside it until
+    # they fill the rest of batches 3 and 4. Either way 8 groups are trained in 4 batches, A among them.
     model = Model("tiny", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
                   ffn_hidden_size=128, vocab_size=100)
     gpu = Gpu("any", bf16_flops=1e12, hbm_bytes_per_s=1e12, memory_bytes=1e12, nvlink_bytes_per_s=1e12,
@@ -92,7 +93,6 @@ def test_partial_rollouts_restart_a_group_older_than_the_bound(staleness, keep_k
                         responses=ScriptedLengths(median=1, sigma=0.0, max_length=100, script=[100]))
     pricing = Pricing(model, workload, Cluster(gpu, 1), Efficiency())
     steps = simulate_partial_rollouts(pricing, num_gpus=1, staleness=staleness, keep_kv=keep_kv, steps=4, warmup=0)
-    assert steps.restarted == pytest.approx(1 / 8)
-    assert steps.trained_length == 1
+    assert steps.trained_length == (100 + 7) / 8
     expected = pricing.prefill_seconds([prompt + recomputed]) / 4 if recomputed else 0.0
     assert steps.recompute_seconds == pytest.approx(expected, rel=1e-12)

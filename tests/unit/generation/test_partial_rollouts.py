@@ -60,8 +60,8 @@ def _across_an_update(tiny_models, tmp_path, keep: bool):
     weights[1] = {name: w + 0.2 * torch.randn(w.shape, generator=generator) for name, w in weights[0].items()}
     partial = PartialRollouts(config, inputs.tokenizer, inputs.rewards, inputs.train_data, inputs.sampler, engine)
 
-    for _ in range(FIRST_TOKENS):  # every response's first tokens on version 0
-        partial.advance(version=0)
+    for _ in range(FIRST_TOKENS):  # every response's first tokens on version 0, towards step 2's batch
+        partial.advance(step=2, version=0)
     partial.pause(keep)  # as the rollout ranks do before a weight sync
     engine.begin_weight_update(1)
     engine.load_weights(weights[1].items())
@@ -139,6 +139,34 @@ def test_requests_kept_through_an_update_go_on_over_their_cache(tiny_models, tmp
         assert (kept - recomputed).abs().max() > 1e-2  # not what a request prefilled anew would give
 
 
+def test_every_group_admitted_is_trained_within_the_staleness_bound(tiny_models, tmp_path, world_of_one):
+    # Split placement's order of calls at trainer.max_staleness=1 with more groups in flight than a batch holds:
+    # B_s taken after the sync to version s - 1, B_(s+1) filled while the trainer trains, then the next sync.
+    # Every batch keeps the bound and no group is thrown away: the prompts trained on and those still waiting
+    # are the sampler's first prompts, each once.
+    train, test = make_arithmetic(16, 4, seed=0, out_dir=tmp_path)
+    config = load_config(str(ROOT / "configs/quickstart.yaml"), [
+        f"model.path={tiny_models['qwen2-tied']}", f"data.train_files=[{train}]", f"data.val_files=[{test}]",
+        "trainer.placement=split", "rollout.num_ranks=1", "trainer.max_staleness=1", "rollout.backend=hf",
+        "rollout.partial=true", "data.max_response_length=8", "data.train_batch_size=2", "rollout.n=2",
+        "rollout.partial_groups=3"])
+    inputs = RunInputs.open(config)
+    partial, engine = _partial(config, inputs)
+    trained = []
+    for step in range(1, 6):
+        rollouts, indices, metrics = partial.take(step, version=step - 1)
+        assert min(v for versions in rollouts.token_versions for v in versions) >= step - 2
+        assert metrics["rollout/restarted_groups"] == 0
+        trained += indices
+        partial.fill(step + 1, version=step - 1)
+        partial.pause(keep=False)
+        _update(engine, step)
+    waiting = [group.index for group in partial.finished + partial.in_flight]
+    sampler = RunInputs.open(config).sampler
+    served = [index for _ in range(partial.admitted) for index in sampler.next_batch()][:partial.admitted]
+    assert len(trained) == 10 and sorted(trained + waiting) == sorted(served)
+
+
 class CountTurns:
     """An environment with state: it answers the model's k-th turn with "turn k"."""
 
@@ -171,7 +199,7 @@ def _multi_turn(tiny_models, tmp_path, environment: str) -> tuple[RunInputs, obj
     train, test = make_arithmetic(16, 4, seed=0, out_dir=tmp_path)
     config = load_config(str(ROOT / "configs/quickstart.yaml"), [
         f"model.path={tiny_models['qwen2-tied']}", f"data.train_files=[{train}]", f"data.val_files=[{test}]",
-        "trainer.placement=split", "rollout.num_ranks=1", "trainer.max_staleness=1", "rollout.backend=hf",
+        "trainer.placement=split", "rollout.num_ranks=1", "trainer.max_staleness=2", "rollout.backend=hf",
         "rollout.partial=true", "data.train_batch_size=2", "rollout.n=2", "rollout.partial_groups=3",
         "rollout.multi_turn.enable=true", "rollout.multi_turn.max_turns=3", "rollout.multi_turn.reward=function",
         "rollout.multi_turn.max_tokens_per_turn=5", "data.max_response_length=76", "data.max_prompt_length=32",
@@ -205,7 +233,7 @@ def test_a_multi_turn_trajectory_in_flight_resumes_where_it_was(tiny_models, tmp
     inputs, config = _multi_turn(tiny_models, tmp_path, environment)
     partial, engine = _partial(config, inputs)
     for _ in range(ENGINE_STEPS):
-        partial.advance(version=0)
+        partial.advance(step=2, version=0)
     saved = json.loads(json.dumps(partial.state_dict()))  # as a checkpoint holds it
     in_flight = [r for group in saved["in_flight"] for r in group["responses"] if r["finish_reason"] is None]
     assert any(r["turn"]["num_turns"] >= 1 for r in in_flight)  # answered turns to replay
@@ -239,7 +267,7 @@ def test_a_multi_turn_trajectory_in_flight_resumes_where_it_was(tiny_models, tmp
     inputs, config = _multi_turn(tiny_models, tmp_path, f"{__file__}:AnswerDifferentlyOnReplay")
     partial, _ = _partial(config, inputs)
     for _ in range(ENGINE_STEPS):
-        partial.advance(version=0)
+        partial.advance(step=2, version=0)
     saved = json.loads(json.dumps(partial.state_dict()))
     resumed, _ = _partial(config, _multi_turn(tiny_models, tmp_path, f"{__file__}:AnswerDifferentlyOnReplay")[0])
     resumed.load_state_dict(saved)
