@@ -19,15 +19,14 @@ the sync and go on over their cache (`megarl.placement.split` says which syncs).
 Every token keeps the policy version that sampled it and its log-prob under that version: the behaviour
 policy the trainer's rollout correction divides by, token by token (`megarl.algorithms.rollout_correction`).
 
-A group admitted on version v has no token older than v, so step s may train on it while v >= s - 1 -
-`trainer.max_staleness` (what step s may train on): its last step is v + 1 + max_staleness. Every group admitted
-is trained by its last step, none is thrown away: a prompt is admitted only if batches of `train_batch_size`,
-the earliest last steps first, can still take every group admitted by its last step, and B_s is the
-`train_batch_size` finished groups of the earliest last steps (the first to finish first) once the groups
-left can still be taken in time; until then the engines go on, the trainer waits. So long responses are
-trained as often as short ones (a bound kept by generating old groups anew would throw away the long ones and
-teach the policy to answer short), and a group still running at its last step sets that step. The engine's
-weights are never older than the bound (`megarl.placement.split`), so the steps end.
+A group admitted on version v has no token older than v: the last step that may train on it, its due step, is
+v + 1 + `trainer.max_staleness`. Every group admitted is trained by its due step and none is thrown away: a
+prompt is admitted only if batches of `train_batch_size`, the earliest due first, could still take every group
+admitted in time, and B_s is the `train_batch_size` finished groups due earliest (the first finished first) once
+the groups left can still be taken in time; until then the engines go on and the trainer waits. A group still
+running at its due step sets that step, and long responses are trained as often as short ones (keeping the bound
+by generating too old groups anew would throw the long ones away and teach the policy to answer short). The
+engine's weights are never older than the bound (`megarl.placement.split`), so the steps end.
 
 Engine replicas step in lockstep: after each step every rollout rank learns what each replica's step added,
 so all hold the same responses and make the same decisions; a new request goes to the replica running the
@@ -145,7 +144,7 @@ class PartialRollouts:
         if version < oldest_allowed:
             raise RuntimeError(f"step {step}: the engine holds policy version {version}, older than any token "
                                f"step {step} may train on ({oldest_allowed})")
-        # None but after a resume with a smaller trainer.max_staleness: groups too many to take in time
+        # groups that can no longer be trained in time: none, unless resumed with a smaller trainer.max_staleness
         self._restart(self._late(self.finished + self.in_flight, step))
         while (batch := self._ready_batch(step)) is None:
             self.advance(step, version)
@@ -192,22 +191,22 @@ class PartialRollouts:
         self.finished += [group for group in self.in_flight if group.finished]
         self.in_flight = [group for group in self.in_flight if not group.finished]
 
-    def _last_step(self, group: Group) -> int:
+    def _due(self, group: Group) -> int:
         """The last step that may train on `group`."""
         return group.version + 1 + self.config.trainer.max_staleness
 
     def _late(self, groups: list[Group], step: int) -> list[Group]:
-        """Those of `groups` that batches of `train_batch_size` from step `step` on, the earliest last steps
-        first, would take after their last steps."""
-        order = sorted(groups, key=self._last_step)
-        return [group for i, group in enumerate(order) if step + i // self.batch_size > self._last_step(group)]
+        """Those of `groups` that batches of `train_batch_size` from step `step` on, the earliest due first,
+        would take after their due steps."""
+        order = sorted(groups, key=self._due)
+        return [group for i, group in enumerate(order) if step + i // self.batch_size > self._due(group)]
 
     def _ready_batch(self, step: int) -> list[Group] | None:
-        """B_step: the `train_batch_size` finished groups of the earliest last steps, the first finished first,
-        if every group left can still be taken by its last step; None while not."""
+        """B_step: the `train_batch_size` finished groups due earliest, the first finished first, if every group
+        left can still be taken by its due step; None while not."""
         if len(self.finished) < self.batch_size:
             return None
-        batch = sorted(self.finished, key=self._last_step)[:self.batch_size]
+        batch = sorted(self.finished, key=self._due)[:self.batch_size]
         taken = {group.admission for group in batch}
         left = [group for group in self.finished + self.in_flight if group.admission not in taken]
         return None if self._late(left, step + 1) else batch
@@ -226,7 +225,7 @@ class PartialRollouts:
         self.responses.release(groups)
 
     def _admit(self, step: int, version: int) -> None:
-        """Prompts into the free places, while every group admitted can still be trained by its last step."""
+        """Prompts into the free places, while every group admitted can still be trained by its due step."""
         admitted = []
         while len(self.in_flight) + len(admitted) < self.groups_in_flight:
             if not self.waiting:
