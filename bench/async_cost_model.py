@@ -356,9 +356,11 @@ def simulate_partial_rollouts(pricing: Pricing, num_gpus: int, staleness: int, k
         return any(taken + i >= round(last * share) for i, last in enumerate(order))
 
     def ready(wanted: int) -> list[_Group] | None:
+        if len(finished) < wanted:
+            return None
         batch = sorted(finished, key=lambda group: group.last_batch)[:wanted]
         left = [group for group in [*finished, *in_flight] if group not in batch]
-        return batch if len(batch) == wanted and not late(left, taken + wanted) else None
+        return None if late(left, taken + wanted) else batch
 
     for batch in range(1, warmup + steps + 1):
         version = max(0, batch - 2)
