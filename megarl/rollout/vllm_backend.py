@@ -9,6 +9,8 @@ replaces `torch.set_num_threads` with a no-op. It also collects the garbage and 
 that the engine's full collection walks only its own (one walk of the start-up's million objects, not two).
 Logprobs are the *processed* ones (after temperature), the distribution tokens were sampled from.
 Responses come back as token ids only (no detokenization: the trainer decodes once, for rewards).
+On CPU the engine runs eagerly, its RMS norms through vLLM's C kernels
+(`megarl.rollout.vllm_cpu_kernels`).
 Partial rollouts drive the engine a step at a time through vLLM's own engine API (`submit`, `step`, `abort`:
 `LLMEngine.add_request`, `step` with each step's new tokens only, `abort_request`).
 On GPU the engine sleeps while the trainer runs (KV cache and weights freed); the trainer wakes
@@ -37,6 +39,7 @@ from megarl.distributed.process import freeze_start_up_objects
 from megarl.rollout import routing_capture
 from megarl.rollout.base import (ROLLOUT_BACKENDS, Advance, RolloutOutput, Sampling, WeightUpdateGuard,
                                  check_none_submitted, check_one_response, routed_experts_shape)
+from megarl.rollout.vllm_cpu_kernels import use_c_kernels
 from megarl.rollout.vllm_direct_load import DirectLoader, supports_direct_load
 
 
@@ -168,6 +171,8 @@ class VLLMRollout:
             )
         if moe:
             self.llm.collective_rpc(routing_capture.bind_on_worker)
+        if not device.cuda():
+            self.llm.collective_rpc(use_c_kernels)
         self.direct_loader: DirectLoader | None = self.llm.collective_rpc(_direct_loader)[0]
         """Set where a weight update can skip vLLM's generic reload (`megarl.rollout.vllm_direct_load`)."""
         self.guard = WeightUpdateGuard(has_weights=not dummy_weights)

@@ -5,7 +5,8 @@ engines at TP2.
 
 Each launch trains a step, syncs the training shards into a vLLM engine and an `hf` engine on every
 rank, and checks: the synced weights are bit-identical to the HF export of the training model,
-greedy generations of vLLM and `hf` agree token for token, requests kept in the engines through the
+greedy generations of vLLM and `hf` agree token for token (vLLM's plain RMS norms on its C
+kernels), requests kept in the engines through the
 second sync go on over the old weights' KV cache in vLLM as in `hf` (rollout.keep_kv, under the direct load
 and vLLM's reload alike), after a second optimizer step and sync vLLM's sampled-token log-probs equal the
 trainer's (<= 1e-4), bytes received equal the analytic
@@ -133,6 +134,10 @@ def test_rollout_after_resharding(tiny_models, tiny_moe_models, tmp_path, case):
     plain, layers = report["plain_gemm_layers"]
     kv_b_projs = sum(n.endswith("kv_b_proj.weight") for n in hf_names)
     assert layers >= 4 * 2 and plain == (layers if direct else kv_b_projs), report
+    # On CPU every plain RMS norm runs vLLM's C kernels (a strided call, as Qwen3's head norms make, falls back
+    # to torch's operators: the greedy and log-prob checks above fail if it does not).
+    switched, norms = report["c_kernel_norms"]
+    assert switched == norms >= 3, report
     expected_bytes = rank0_lower_bound(model_dir, tp, pp, ep, etp, engine_tp, itemsize=4 if dtype == "float32" else 2)
     assert report["bytes_received"] == report["lower_bound"] == expected_bytes
     assert report["peak_reported"] == report["peak_allocated"] and (report["peak_allocated"] == 0) == lends_everything

@@ -6,6 +6,7 @@ syncs them into a vLLM engine and an `hf` engine on every rank, and reports (ran
 - greedy generations of vLLM vs `hf`, token for token,
 - requests kept in both engines through the second sync (rollout.keep_kv): vLLM's continuation vs `hf`'s,
 - after a second optimizer step and sync, vLLM's sampled-token log-probs vs the trainer's,
+- the engine's RMS norms on vLLM's C kernels (CPU),
 - bytes moved vs the plan's lower bound, the reported peak vs the bytes allocated while receiving a
   bucket (counted at torch's dispatcher), and recovery from a failed generation and a failed sync
   (the error, the refusal, and the old weights back in place).
@@ -24,7 +25,7 @@ from vllm.model_executor.model_loader.reload import inplace, layerwise
 from megarl.distributed import finish_process, init_layout
 from megarl.models.hf_interop import export_hf
 from megarl.resharding.executor import WeightSync
-from megarl.rollout import vllm_direct_load
+from megarl.rollout import vllm_cpu_kernels, vllm_direct_load
 from megarl.rollout.base import Sampling
 from megarl.rollout.hf_backend import HFRollout, checkpoint_tensor
 from megarl.rollout.vllm_backend import VLLMRollout
@@ -296,7 +297,16 @@ def gemm_layers(worker):
     return sum(getattr(m, "cpu_linear", None) in as_it_is for m in layers), len(layers)
 
 
+def c_kernel_norms(worker):
+    """(plain RMS norms running through vLLM's C kernels, all of them)."""
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    norms = [m for m in worker.model_runner.model.modules() if type(m) is RMSNorm]
+    return sum(getattr(m._forward_method, "func", None) is vllm_cpu_kernels._rms_norm for m in norms), len(norms)
+
+
 report["plain_gemm_layers"] = vllm.llm.collective_rpc(gemm_layers)[0]
+report["c_kernel_norms"] = vllm.llm.collective_rpc(c_kernel_norms)[0]
 report["failed_load_warnings"] = counter.warnings
 sampled = vllm.generate(PROMPTS, Sampling(temperature=0.8, max_tokens=10, seed=3))
 batch = make_batch(sampled.response_ids)
