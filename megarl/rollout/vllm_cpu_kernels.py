@@ -1,19 +1,18 @@
 """vLLM's own C kernels for the RMS norms of an eager engine on CPU.
 
-vLLM's CPU build ships C kernels for RMSNorm, plain and with the residual add fused in, as its GPU
-builds do, yet on x86 CPUs runs the norm as 7 torch operators, for torch.compile to fuse:
-compilation is vLLM's default on CPU. megarl runs CPU engines eagerly (a compile added 9-24 s to the 1.5 s of
-every engine start here, more than it saves in runs of the quick start's length: bench/README), so there
-the operators ran one by one: 25-47 us a norm of 32-256 rows of 128 against 4-13 us for the kernels,
-and the quick start's engine generated a 2-process share (4 prompts x 8 samples, <= 8 tokens) in 53.0
-ms against 57.0, the same tokens (medians of 300 alternating rounds; one process, AVX2 EPYC,
-2026-11-29). `use_c_kernels` sends every plain `RMSNorm` of the engine's
-model to the kernels, for the calls each computes as the torch operators do: contiguous tensors (the
-kernels read a strided view as if it were contiguous, so a Qwen3 head norm of a slice of the fused
-q/k/v stays with torch), the weight in the input's dtype, the whole last dimension normalised. Results
-agree with torch's to float32's rounding (tests/distributed/test_rollout.py compares the engine's
-tokens and log-probs with HF's and the trainer's). vLLM's SiLU-and-multiply kernel stays unused: on
-the same CPU it took 2.5-3x the time of torch's two operators from 8 rows up.
+vLLM's CPU build ships C kernels for RMSNorm, plain and with the residual add fused in, as its GPU builds
+do, yet on x86 CPUs runs the norm as 7 torch operators, for torch.compile to fuse: compilation is vLLM's
+default on CPU. megarl runs CPU engines eagerly (a compile adds 7-17 s to every engine start, more than it
+saves in runs of the quick start's length: bench/README), so there the operators ran one by one: 25-47 us a
+norm of 32-256 rows of 128 against 4-13 us for the kernels, and the quick start's engine generated a
+2-process share (4 prompts x 8 samples, <= 8 tokens) in 53.0 ms against 57.0, the same tokens (medians of
+300 alternating rounds; one process, AVX2 EPYC, 2026-11-29). `use_c_kernels` sends every plain `RMSNorm` of
+the engine's model to the kernels, for the calls each computes as the torch operators do: contiguous tensors
+(the kernels read a strided view as if it were contiguous, so a Qwen3 head norm of a slice of the fused
+q/k/v stays with torch), the weight in the input's dtype, the whole last dimension normalised. Results agree
+with torch's to float32's rounding (tests/distributed/test_rollout.py compares the engine's tokens and
+log-probs with HF's and the trainer's). vLLM's SiLU-and-multiply kernel stays unused: on the same CPU it
+took 2.5-3x the time of torch's two operators from 8 rows up.
 """
 
 from __future__ import annotations
