@@ -24,11 +24,13 @@ import torch
 
 def use_c_kernels(worker) -> int:
     """Runs on the engine's worker: its model's plain RMS norms through vLLM's C kernels where a call
-    allows (module docstring); how many norms were switched."""
+    allows (module docstring); how many norms were switched (none where vLLM's build lacks the kernels)."""
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.platforms import current_platform
 
     current_platform.import_kernels()
+    if not (hasattr(torch.ops._C, "rms_norm") and hasattr(torch.ops._C, "fused_add_rms_norm")):
+        return 0
     norms = [module for module in worker.model_runner.model.modules()
              if type(module) is RMSNorm and module.has_weight and module.variance_size_override is None]
     for norm in norms:
