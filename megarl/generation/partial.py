@@ -44,7 +44,6 @@ uninterrupted run submitted, from the same partial responses.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import NamedTuple
 
@@ -120,8 +119,14 @@ class PartialRollouts:
         """What an engine step's tokens do to each response: single-turn, or multi-turn trajectories."""
         self.running: dict[str, Request] = {}
         """The requests in the engines, by key."""
+        self.pending: dict[tuple[int, int], Group] = {}
+        """The unfinished responses no engine runs, by (admission, sample): each becomes a request at the next
+        engine step. Kept as responses come and go: an engine step costs what it advanced, not a scan of every
+        response in flight."""
         engine_tp = config.rollout.tp
         self.replica, self.num_replicas = dist.get_rank() // engine_tp, dist.get_world_size() // engine_tp
+        self.load = [0] * self.num_replicas
+        """The requests each replica runs."""
         self.leads_replica = dist.get_rank() % engine_tp == 0
         self.sampling = self.responses.sampling(
             replace(rollout_sampling(config, tokenizer.eos_token_id, 0, validation=False), n=1))
@@ -157,7 +162,10 @@ class PartialRollouts:
             self.kept += len(self.running)
             return
         self.engine.abort([key for key, request in self.running.items() if request.replica == self.replica])
+        for request in self.running.values():
+            self.pending[request.group.admission, request.sample] = request.group
         self.running.clear()
+        self.load = [0] * self.num_replicas
 
     def state_dict(self) -> dict:
         return {"sampler": self.sampler.state_dict(), "waiting": list(self.waiting), "admitted": self.admitted,
@@ -170,6 +178,8 @@ class PartialRollouts:
         self.waiting, self.admitted = list(state["waiting"]), state["admitted"]
         self.engine_steps, self.restarted = state["engine_steps"], state["restarted"]
         self.in_flight, self.finished = _groups(state["in_flight"]), _groups(state["finished"])
+        self.pending = {(group.admission, j): group for group in self.in_flight
+                        for j, response in enumerate(group.responses) if response.finish_reason is None}
         self._restart(self.responses.restore(self.in_flight, self.dataset))
 
     def advance(self, step: int, version: int) -> None:
@@ -177,19 +187,26 @@ class PartialRollouts:
         places and every unfinished response that no engine runs submitted first."""
         self._admit(step, version)
         self._submit()
-        advanced = []
+        advanced, ended = [], []
         for advance in self._step():
-            group, sample, _ = self.running[advance.key]
+            group, sample, replica = self.running[advance.key]
             response = group.responses[sample]
             response.ids += advance.ids
             response.logprobs += advance.logprobs
             response.versions += [version] * len(advance.ids)
             if advance.finish_reason is not None:
                 del self.running[advance.key]
+                self.load[replica] -= 1
+                ended.append((group, sample))
             advanced.append((group, sample, response, len(advance.ids), advance.finish_reason))
         self.responses.advanced(advanced, version)
-        self.finished += [group for group in self.in_flight if group.finished]
-        self.in_flight = [group for group in self.in_flight if not group.finished]
+        for group, sample in ended:  # a multi-turn trajectory goes on with its next turn
+            if group.responses[sample].finish_reason is None:
+                self.pending[group.admission, sample] = group
+        done = {group.admission for group, _ in ended if group.finished}
+        if done:
+            self.finished += [group for group in self.in_flight if group.admission in done]
+            self.in_flight = [group for group in self.in_flight if group.admission not in done]
 
     def _due(self, group: Group) -> int:
         """The last step that may train on `group`."""
@@ -218,8 +235,10 @@ class PartialRollouts:
         self.in_flight = [group for group in self.in_flight if group.admission not in again]
         ending = {key: request for key, request in self.running.items() if request.group.admission in again}
         self.engine.abort([key for key, request in ending.items() if request.replica == self.replica])
-        for key in ending:
+        for key, request in ending.items():
             del self.running[key]
+            self.load[request.replica] -= 1
+        self.pending = {place: group for place, group in self.pending.items() if place[0] not in again}
         self.waiting[:0] = [group.index for group in groups]
         self.restarted += len(groups)
         self.responses.release(groups)
@@ -227,38 +246,38 @@ class PartialRollouts:
     def _admit(self, step: int, version: int) -> None:
         """Prompts into the free places, while every group admitted can still be trained by its due step."""
         admitted = []
-        while len(self.in_flight) + len(admitted) < self.groups_in_flight:
+        held = len(self.finished) + len(self.in_flight)
+        room = not self._late(self.finished + self.in_flight, step)
+        while room and len(self.in_flight) + len(admitted) < self.groups_in_flight:
             if not self.waiting:
                 self.waiting = self.sampler.next_batch()
             group = Group(self.waiting[0], self.admitted, version, [Response() for _ in range(self.n)])
-            if self._late(self.finished + self.in_flight + admitted + [group], step):
+            # No group held is due later (versions only grow), so it would be taken last: late alone or not at all.
+            if step + (held + len(admitted)) // self.batch_size > self._due(group):
                 break
             admitted.append(group)
             self.waiting.pop(0)
             self.admitted += 1
         self.responses.open(admitted, self.dataset)
         self.in_flight += admitted
+        self.pending.update(((group.admission, j), group) for group in admitted for j in range(self.n))
 
     def _submit(self) -> None:
-        """Every unfinished response of the groups in flight that no engine runs becomes a request, of the
-        replica running the fewest."""
-        running = {(request.group.admission, request.sample) for request in self.running.values()}
-        load = Counter(request.replica for request in self.running.values())
+        """Every unfinished response that no engine runs becomes a request, of the replica running the fewest, in
+        the order of admission and sample (what a resumed run, whose every unfinished response waits, repeats)."""
         seed = self.config.trainer.seed
-        for group in self.in_flight:
-            for j, response in enumerate(group.responses):
-                if response.finish_reason is not None or (group.admission, j) in running:
-                    continue
-                replica = min(range(self.num_replicas), key=lambda r: load[r])
-                load[replica] += 1
-                key = f"{group.admission}.{j}.{response.segments}"
-                self.running[key] = Request(group, j, replica)
-                if replica == self.replica:
-                    self.engine.submit(key, self.responses.context(group, response, self.dataset), replace(
-                        self.sampling, max_tokens=self.responses.max_tokens(response),
-                        seed=derive_seed(seed, "partial_rollout", step=group.admission, replica=j,
-                                         draw=response.segments)))
-                response.segments += 1
+        for (admission, j), group in sorted(self.pending.items(), key=lambda item: item[0]):
+            response = group.responses[j]
+            replica = min(range(self.num_replicas), key=self.load.__getitem__)
+            self.load[replica] += 1
+            key = f"{admission}.{j}.{response.segments}"
+            self.running[key] = Request(group, j, replica)
+            if replica == self.replica:
+                self.engine.submit(key, self.responses.context(group, response), replace(
+                    self.sampling, max_tokens=self.responses.max_tokens(response),
+                    seed=derive_seed(seed, "partial_rollout", step=admission, replica=j, draw=response.segments)))
+            response.segments += 1
+        self.pending.clear()
 
     def _step(self) -> list[Advance]:
         """One step of every engine replica: what each added, in replica order, on every rollout rank."""
@@ -277,16 +296,19 @@ class SingleTurns:
     def __init__(self, config: RunConfig, tokenizer, rewards: RewardManager):
         self.tokenizer, self.rewards = tokenizer, rewards
         self.limit = config.data.max_response_length
+        self.prompt_ids: dict[int, list[int]] = {}
+        """The prompt of each group in flight, by admission (read from the dataset once, not at every request)."""
 
     def sampling(self, sampling: Sampling) -> Sampling:
         return sampling
 
     def open(self, groups: list[Group], dataset: PromptDataset) -> None:
-        pass  # a response's prompt is its sample's
+        for group in groups:
+            self.prompt_ids[group.admission] = dataset[group.index].prompt_ids
 
-    def context(self, group: Group, response: Response, dataset: PromptDataset) -> list[int]:
+    def context(self, group: Group, response: Response) -> list[int]:
         """The request that continues `response`: its prompt and its tokens so far."""
-        return dataset[group.index].prompt_ids + response.ids
+        return self.prompt_ids[group.admission] + response.ids
 
     def max_tokens(self, response: Response) -> int:
         return self.limit - len(response.ids)
@@ -298,13 +320,16 @@ class SingleTurns:
             response.finish_reason = reason
 
     def release(self, groups: list[Group]) -> None:
-        pass
+        for group in groups:
+            self.prompt_ids.pop(group.admission, None)
 
     def restore(self, groups: list[Group], dataset: PromptDataset) -> list[Group]:
+        self.open(groups, dataset)
         return []  # the saved state is the whole state
 
     def scored(self, batch: list[Group], dataset: PromptDataset, n: int, engine_tp: int) -> Rollouts:
         """The batch's responses as `Rollouts` held by every rank, each replica's first rank scoring its block."""
+        self.release(batch)
         prompts = [dataset[group.index] for group in batch]
         rollouts, (start, stop) = unfilled_rollouts(prompts, n, engine_tp)
         responses = [response for group in batch for response in group.responses]

@@ -93,7 +93,7 @@ class TrajectoryTurns:
             for response in group.responses:
                 response.turn = TurnState(opening=next(openings), messages=next(conversations, []))
 
-    def context(self, group: Group, response: Response, dataset: PromptDataset) -> list[int]:
+    def context(self, group: Group, response: Response) -> list[int]:
         """The request that continues `response`: its trajectory's opening and every token so far."""
         return response.turn.opening + response.ids
 

@@ -46,7 +46,8 @@ def _logprobs(model, prompt: list[int], response: list[int], temperature: float)
 
 def _across_an_update(tiny_models, tmp_path, keep: bool):
     """Responses begun on version 0 (random weights 0.2 away) and finished on version 1, the requests kept
-    through the weight update or not; the engine is left at version 1."""
+    through the weight update or not; the engine is left at version 1. Also the state saved at the pause, as a
+    checkpoint holds it."""
     train, test = make_arithmetic(16, 4, seed=0, out_dir=tmp_path)
     config = load_config(str(ROOT / "configs/quickstart.yaml"), [
         f"model.path={tiny_models['qwen2-tied']}", f"data.train_files=[{train}]", f"data.val_files=[{test}]",
@@ -63,16 +64,17 @@ def _across_an_update(tiny_models, tmp_path, keep: bool):
     for _ in range(FIRST_TOKENS):  # every response's first tokens on version 0, towards step 2's batch
         partial.advance(step=2, version=0)
     partial.pause(keep)  # as the rollout ranks do before a weight sync
+    saved = json.loads(json.dumps(partial.state_dict()))
     engine.begin_weight_update(1)
     engine.load_weights(weights[1].items())
     engine.end_weight_update()
     rollouts, indices, metrics = partial.take(step=2, version=1)  # finished on version 1
     assert len(rollouts) == 4 and len(set(indices)) == 2
-    return config, inputs, engine, weights, rollouts, metrics
+    return config, inputs, engine, weights, rollouts, metrics, saved
 
 
 def test_a_response_spanning_two_versions_keeps_each_tokens_behaviour_logprob(tiny_models, tmp_path, world_of_one):
-    config, inputs, engine, weights, rollouts, metrics = _across_an_update(tiny_models, tmp_path, keep=False)
+    config, inputs, engine, weights, rollouts, metrics, saved = _across_an_update(tiny_models, tmp_path, keep=False)
     assert metrics["rollout/kept_requests"] == 0
     temperature = config.rollout.temperature
     spanning = 0
@@ -111,12 +113,21 @@ def test_a_response_spanning_two_versions_keeps_each_tokens_behaviour_logprob(ti
         torch.testing.assert_close(weights_T[old_T], ratio_T.clamp(max=2.0), rtol=1e-4, atol=1e-5)
         assert not math.isclose(float(weights_T[old_T].min()), 1.0, abs_tol=1e-3)
 
+    # Resumed from the state saved at the pause (a checkpoint's), on version 1: the same responses, token for token.
+    resumed_inputs = RunInputs.open(config)
+    resumed = PartialRollouts(config, resumed_inputs.tokenizer, resumed_inputs.rewards, resumed_inputs.train_data,
+                              resumed_inputs.sampler, engine)
+    resumed.load_state_dict(saved)
+    again, _, _ = resumed.take(step=2, version=1)
+    for column in ("response_ids", "rollout_logprobs", "token_versions"):
+        assert getattr(again, column) == getattr(rollouts, column), column
+
 
 def test_requests_kept_through_an_update_go_on_over_their_cache(tiny_models, tmp_path, world_of_one):
     # rollout.keep_kv: the requests stay in the engine through the weight update, so each token version 1
     # samples comes from version 1's weights over the KV cache version 0 computed for the tokens before the
     # update: checked against one forward pass of version 1 over the continuation, fed version 0's cache.
-    config, inputs, engine, weights, rollouts, metrics = _across_an_update(tiny_models, tmp_path, keep=True)
+    config, inputs, engine, weights, rollouts, metrics, _ = _across_an_update(tiny_models, tmp_path, keep=True)
     temperature = config.rollout.temperature
     continued = [i for i, ids in enumerate(rollouts.response_ids) if len(ids) > FIRST_TOKENS]
     assert metrics["rollout/kept_requests"] == len(continued) >= 2
