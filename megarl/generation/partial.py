@@ -44,9 +44,11 @@ uninterrupted run submitted, from the same partial responses.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass, field, replace
 from typing import NamedTuple
 
+import numpy as np
 import torch.distributed as dist
 
 from megarl.config.schema import RunConfig
@@ -285,8 +287,8 @@ class PartialRollouts:
         self.engine_steps += 1
         if self.num_replicas == 1:
             return advances  # a replica's ranks return the same
-        blocks = collectives.all_gather_object(advances if self.leads_replica else None)
-        return [advance for block in blocks if block is not None for advance in block]
+        blocks = collectives.all_gather_object(_packed(advances) if self.leads_replica else None)
+        return [advance for block in blocks if block is not None for advance in _unpacked(block)]
 
 
 class SingleTurns:
@@ -344,6 +346,24 @@ class SingleTurns:
             result = score_generated(prompts[start:stop], block, n, self.tokenizer, self.rewards)
         share_scores(rollouts, block, result, start * n)
         return rollouts
+
+
+def _packed(advances: list[Advance]) -> tuple:
+    """A replica's step as a few flat arrays, to send to the other rollout ranks: 8,192 advances of a token
+    each pickle and unpickle in ~10 ms this way against ~19 as `Advance`s (2-core AMD EPYC, 2026-11-29)."""
+    lengths = np.fromiter((len(advance.ids) for advance in advances), np.int64, len(advances))
+    tokens = int(lengths.sum())
+    ids = np.fromiter(itertools.chain.from_iterable(advance.ids for advance in advances), np.int64, tokens)
+    logprobs = np.fromiter(itertools.chain.from_iterable(advance.logprobs for advance in advances), np.float64, tokens)
+    return [advance.key for advance in advances], lengths, ids, logprobs, [a.finish_reason for a in advances]
+
+
+def _unpacked(block: tuple) -> list[Advance]:
+    """`_packed`'s advances back, every value as it was (log-probs are Python floats: float64)."""
+    keys, lengths, ids, logprobs, finish_reasons = block
+    ids, logprobs, ends = ids.tolist(), logprobs.tolist(), np.cumsum(lengths).tolist()
+    return [Advance(key, ids[end - length:end], logprobs[end - length:end], reason)
+            for key, length, end, reason in zip(keys, lengths.tolist(), ends, finish_reasons)]
 
 
 def _groups(values: list[dict]) -> list[Group]:
