@@ -11,11 +11,11 @@ thread each; each process times `--steps` batches taken (`take`, the next one fi
 weight sync) after one of warm-up, the start-up's objects frozen as the trainer freezes them. Reported, rank
 0's median over the batches:
 
-- bookkeeping: an engine step's wall clock less the engines' own time (admission, submission, every token
-  appended to its response on every rank, the replicas' steps exchanged, and the batch's scoring, spread over
-  its engine steps);
-- floor: what any bookkeeping that keeps every response on every rank must do: append as many one-token
-  advances to their responses in a plain loop. bookkeeping / floor is the ratio printed.
+- bookkeeping: an engine step's wall clock less the engines' own time (admission, submission, each token of
+  the rank's own replica appended to its response, the ended requests' tokens exchanged between the replicas,
+  and the batch's scoring, spread over its engine steps);
+- floor: what any bookkeeping must do on a rank: append its replica's share of the tokens (one a request in
+  flight, over the replicas) to their responses in a plain loop. bookkeeping / floor is the ratio printed.
 """
 
 from __future__ import annotations
@@ -66,12 +66,12 @@ class InstantEngine:
         return advances
 
 
-def floor_ms(in_flight: int, rounds: int = 21) -> float:
-    """Median ms to append one token and its log-prob and version to each of `in_flight` responses."""
+def floor_ms(count: int, rounds: int = 21) -> float:
+    """Median ms to append one token and its log-prob and version to each of `count` responses."""
     from megarl.generation.partial import Response
     from megarl.rollout.base import Advance
 
-    responses = {f"{i}": Response() for i in range(in_flight)}
+    responses = {f"{i}": Response() for i in range(count)}
     advances = [Advance(key, [5], [-0.5], None) for key in responses]
     times = []
     for _ in range(rounds):
@@ -120,8 +120,8 @@ def worker(args) -> None:
             per_step.append(1e3 * (wall - engine.seconds) / engine.steps)
     if dist.get_rank() == 0:
         in_flight = groups * args.samples
-        print(MARKER + " " + json.dumps({"bookkeeping_ms": statistics.median(per_step),
-                                         "floor_ms": floor_ms(in_flight), "in_flight": in_flight}), flush=True)
+        print(MARKER + " " + json.dumps({"bookkeeping_ms": statistics.median(per_step), "in_flight": in_flight,
+                                         "floor_ms": floor_ms(in_flight // dist.get_world_size())}), flush=True)
     dist.destroy_process_group()
 
 

@@ -193,9 +193,11 @@ class RolloutWorker:
                                               (trainer.test_freq and step % trainer.test_freq == 0)):
                 self._validate(step)
             saved = bool(trainer.save_freq) and (step % trainer.save_freq == 0 or step == trainer.total_steps)
-            if saved and self.world.rank == self.world.first_rollout_rank:
-                with self._idle():
-                    self.world.send_object(self.batches.state_dict(), 0)
+            if saved:
+                state = self.batches.state_dict()  # every rollout rank: partial rollouts gather their tokens
+                if self.world.rank == self.world.first_rollout_rank:
+                    with self._idle():
+                        self.world.send_object(state, 0)
         self.engine.shutdown()
 
     @contextlib.contextmanager

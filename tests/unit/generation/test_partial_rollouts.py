@@ -23,7 +23,6 @@ from megarl.config.loader import load_config
 from megarl.data.synthetic import make_arithmetic
 from megarl.generation.inputs import RunInputs
 from megarl.generation.partial import PartialRollouts, _packed, _unpacked
-from megarl.rollout.base import Advance
 from megarl.rollout.hf_backend import HFRollout
 from tests.conftest import ROOT
 
@@ -182,13 +181,13 @@ def test_every_group_admitted_is_trained_within_the_staleness_bound(tiny_models,
     assert len(trained) == 10 and sorted(trained + waiting) == sorted(served)
 
 
-def test_a_replicas_step_reaches_the_other_ranks_as_it_was():
-    # What engine replicas send each other every engine step, packed into flat arrays: the same advances back,
-    # several tokens or none, each log-prob to the bit (Python floats, not rounded to float32).
-    advances = [Advance("0.0.0", [5], [-0.1], None), Advance("0.1.2", [], [], "stop"),
-                Advance("3.1.0", [7, 8, 9], [-1e-9, -2.0 / 3.0, -3.5], "length"),
-                Advance("4.0.1", [2**40], [-7.5], None)]
-    assert _unpacked(pickle.loads(pickle.dumps(_packed(advances)))) == advances
+def test_a_requests_tokens_reach_the_other_ranks_as_they_were():
+    # What engine replicas send each other, packed into flat arrays: the same segments back, several tokens or
+    # none, each log-prob to the bit (Python floats, not rounded to float32).
+    segments = [("0.0.0", None, [5], [-0.1], [0]), ("0.1.2", "stop", [], [], []),
+                ("3.1.0", "length", [7, 8, 9], [-1e-9, -2.0 / 3.0, -3.5], [1, 1, 2]),
+                ("4.0.1", None, [2**40], [-7.5], [3])]
+    assert _unpacked(pickle.loads(pickle.dumps(_packed(segments)))) == segments
     assert _unpacked(_packed([])) == []
 
 
