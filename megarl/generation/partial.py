@@ -47,6 +47,7 @@ uninterrupted run submitted, from the same partial responses.
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import asdict, dataclass, field, replace
 from typing import NamedTuple
 
@@ -63,6 +64,7 @@ from megarl.rewards import RewardManager
 from megarl.rollout.base import RolloutEngine, RolloutOutput, Sampling
 from megarl.seeding import derive_seed
 
+logger = logging.getLogger(__name__)
 
 @dataclass
 class Response:
@@ -136,6 +138,10 @@ class PartialRollouts:
         self.leads_replica = dist.get_rank() % engine_tp == 0
         self.sampling = self.responses.sampling(
             replace(rollout_sampling(config, tokenizer.eos_token_id, 0, validation=False), n=1))
+        if config.trainer.max_staleness == 1 and dist.get_rank() == 0:
+            logger.warning("partial rollouts at trainer.max_staleness=1: every group admitted while a batch fills is "
+                           "due at the next step, so the engines generate whole batches, a response at a time; "
+                           "trainer.max_staleness >= 2 lets them run ahead (docs/recipes/split_async.md)")
 
     def take(self, step: int, version: int) -> tuple[Rollouts, list[int], dict[str, float]]:
         """B_step, scored (every rollout rank holds every response), its prompts' dataset indices and how it

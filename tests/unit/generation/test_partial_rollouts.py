@@ -151,7 +151,7 @@ def test_requests_kept_through_an_update_go_on_over_their_cache(tiny_models, tmp
         assert (kept - recomputed).abs().max() > 1e-2  # not what a request prefilled anew would give
 
 
-def test_every_group_admitted_is_trained_within_the_staleness_bound(tiny_models, tmp_path, world_of_one):
+def test_every_group_admitted_is_trained_within_the_staleness_bound(tiny_models, tmp_path, world_of_one, caplog):
     # Split placement's order of calls at trainer.max_staleness=1 with more groups in flight than a batch holds:
     # B_s taken after the sync to version s - 1, B_(s+1) filled while the trainer trains, then the next sync.
     # Every batch keeps the bound and no group is thrown away: the prompts trained on and those still waiting
@@ -164,6 +164,8 @@ def test_every_group_admitted_is_trained_within_the_staleness_bound(tiny_models,
         "rollout.partial_groups=3"])
     inputs = RunInputs.open(config)
     partial, engine = _partial(config, inputs)
+    assert [r.message.split(":")[0] for r in caplog.records if r.name == "megarl.generation.partial"] == [
+        "partial rollouts at trainer.max_staleness=1"]  # the start-up notice: at 1 they generate whole batches
     trained = []
     for step in range(1, 6):
         rollouts, indices, metrics = partial.take(step, version=step - 1)
