@@ -205,7 +205,7 @@ class PartialRollouts:
         self._submit()
         advances = self.engine.step()
         self.engine_steps += 1
-        advanced, added = [], {}
+        advanced, added = [], {}  # added: the tokens this step gave this replica's requests that ended
         for advance in advances:  # this replica's requests
             group, sample, _, _ = self.running[advance.key]
             response = group.responses[sample]
