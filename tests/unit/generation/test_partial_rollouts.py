@@ -11,7 +11,6 @@ import itertools
 import json
 import math
 import os
-import pickle
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from megarl.algorithms.rollout_correction import ROLLOUT_CORRECTIONS, correct_ro
 from megarl.config.loader import load_config
 from megarl.data.synthetic import make_arithmetic
 from megarl.generation.inputs import RunInputs
-from megarl.generation.partial import PartialRollouts, _packed, _unpacked
+from megarl.generation.partial import PartialRollouts
 from megarl.rollout.hf_backend import HFRollout
 from tests.conftest import ROOT
 
@@ -181,16 +180,6 @@ def test_every_group_admitted_is_trained_within_the_staleness_bound(tiny_models,
         served += sampler.next_batch()
     served = served[:partial.admitted]
     assert len(trained) == 10 and sorted(trained + waiting) == sorted(served)
-
-
-def test_a_requests_tokens_reach_the_other_ranks_as_they_were():
-    # What engine replicas send each other, packed into flat arrays: the same segments back, several tokens or
-    # none, each log-prob to the bit (Python floats, not rounded to float32).
-    segments = [("0.0.0", None, [5], [-0.1], [0]), ("0.1.2", "stop", [], [], []),
-                ("3.1.0", "length", [7, 8, 9], [-1e-9, -2.0 / 3.0, -3.5], [1, 1, 2]),
-                ("4.0.1", None, [2**40], [-7.5], [3])]
-    assert _unpacked(pickle.loads(pickle.dumps(_packed(segments)))) == segments
-    assert _unpacked(_packed([])) == []
 
 
 class CountTurns:
