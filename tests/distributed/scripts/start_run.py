@@ -17,9 +17,17 @@ from megarl.trainer.startup import start_run
 PROMPT = 30
 RESPONSES = [4] * 8 + [2, 3, 4, 2, 3, 4, 2, 3]
 
+
+def report(line: str) -> None:
+    """One write a line: the ranks share torchrun's console, and print writes the newline apart, so under
+    PYTHONUNBUFFERED two ranks' lines can run into one."""
+    sys.stdout.write(f"rank {run.layout.rank}: {line}\n")
+    sys.stdout.flush()
+
+
 run = start_run(sys.argv[1:], rl=True)
 run.save_config()
-print(f"rank {run.layout.rank}: {run.layout} tp_rank={run.layout.tp_rank} run_dir={run.run_dir}", flush=True)
+report(f"{run.layout} tp_rank={run.layout.tp_rank} run_dir={run.run_dir}")
 config = run.config
 tokens = torch.randint(5, 100, (len(RESPONSES), PROMPT + max(RESPONSES)), generator=torch.Generator().manual_seed(0))
 tokens[1:8, :PROMPT], tokens[9:, :PROMPT] = tokens[0, :PROMPT], tokens[8, :PROMPT]
@@ -29,6 +37,6 @@ for n, micro_batch_size in ((config.rollout.n, 0), (1, 0), (1, 4)):
     engine = replace(config.actor, micro_batch_size_per_rank=micro_batch_size)
     actor = MegatronEngine(run.layout, config.model, engine, total_optimizer_steps=1, groups=groups)
     case = f"rollout.n={n}" + (f" micro_batch_size_per_rank={micro_batch_size}" if micro_batch_size else "")
-    print(f"rank {run.layout.rank}: {case} shares prompts: {actor.positioned_rope is not None}", flush=True)
-    print(f"rank {run.layout.rank}: {case} micro-batches: {actor._micro_batches(share)}", flush=True)
+    report(f"{case} shares prompts: {actor.positioned_rope is not None}")
+    report(f"{case} micro-batches: {actor._micro_batches(share)}")
 finish_process()
