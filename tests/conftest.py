@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -95,3 +96,10 @@ def megarl_shared_memory() -> set[str]:
 
 def assert_succeeded(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
+
+
+def reported(result: subprocess.CompletedProcess):
+    """The results a test script printed on its `REPORT` line (`tests/distributed/scripts/reporting.py`)."""
+    line = next((line for line in result.stdout.splitlines() if line.startswith("REPORT ")), None)
+    assert line is not None, f"no REPORT line\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    return json.loads(line.removeprefix("REPORT "))

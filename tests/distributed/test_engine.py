@@ -20,13 +20,11 @@ trains at TP2xEP2.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT, assert_succeeded, torchrun
+from tests.conftest import ROOT, assert_succeeded, reported, torchrun
 
 SCRIPT = ROOT / "tests/distributed/scripts/engine_checks.py"
 LAYOUTS = {"tp2": (2, ["--tp", 2, "--recompute"]), "pp2": (2, ["--pp", 2, "--dynamic"]),
@@ -38,8 +36,7 @@ def _run(tiny_models, out, nproc, extra):
     result = torchrun(nproc, SCRIPT, "--policy", tiny_models["qwen3-untied"], "--value", tiny_models["qwen2-value"],
                       "--out", out, *extra)
     assert_succeeded(result)
-    line = next(line for line in result.stdout.splitlines() if line.startswith("REPORT "))
-    return json.loads(line.removeprefix("REPORT "))
+    return reported(result)
 
 
 def _weights(model_dir):
@@ -141,8 +138,7 @@ def moe_run(tiny_moe_models, tmp_path_factory):
                       "--value", tiny_moe_models["qwen2-moe-value"], "--sigmoid-policy", tiny_moe_models["deepseek-v3"],
                       "--out", out)
     assert_succeeded(result)
-    line = next(line for line in result.stdout.splitlines() if line.startswith("REPORT "))
-    return json.loads(line.removeprefix("REPORT ")), out
+    return reported(result), out
 
 
 def _per_layer(metrics, name, num_layers):

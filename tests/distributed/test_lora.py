@@ -7,14 +7,12 @@ the optimizer's gradient buffers hold exactly the adapters' elements."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import ROOT, assert_succeeded, torchrun
+from tests.conftest import ROOT, assert_succeeded, reported, torchrun
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -44,7 +42,7 @@ def test_lora_matches_peft_and_trains_the_adapters_alone(tiny_models, tiny_moe_m
     result = torchrun(2, ROOT / "tests/distributed/scripts/lora_checks.py", "--model", model,
                       "--adapter", adapter, "--out", tmp_path, *layout)
     assert_succeeded(result)
-    ranks = json.loads(result.stdout.split("REPORT ", 1)[1].splitlines()[0])
+    ranks = reported(result)
     first = ranks[0]
     assert first["peft_vs_base_logits_diff"] > 0.1  # the adapter matters
     assert first["adapted_logits_diff"] < 1e-4 and first["base_logits_diff"] < 1e-4

@@ -21,12 +21,10 @@ parameter's dtype for every tensor.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from megarl.data.synthetic import make_arithmetic
-from tests.conftest import ROOT, assert_succeeded, torchrun
+from tests.conftest import ROOT, assert_succeeded, reported, torchrun
 
 SCRIPT = ROOT / "tests/distributed/scripts/offload_checks.py"
 LAYOUTS = {"tp2": ["actor.tp=2", "model.dtype=bfloat16", "actor.use_distributed_optimizer=false",
@@ -58,8 +56,7 @@ def offload_args(models: dict, tmp_path) -> list[str]:
 def assert_offload_report(result) -> None:
     """offload_checks' REPORT: bitwise the same training, nothing held while the engine works, phases in order."""
     assert_succeeded(result)
-    report = json.loads(next(line for line in result.stdout.splitlines()
-                             if line.startswith("REPORT ")).removeprefix("REPORT "))
+    report = reported(result)
     assert report["compared"] > 100 and report["differing"] == []
     assert all(pg_loss != 0 and vf_loss != 0 for pg_loss, vf_loss in report["losses"])  # training moves
     for rank in report["ranks"]:

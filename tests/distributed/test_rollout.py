@@ -21,13 +21,12 @@ engine serving.
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT, assert_succeeded, torchrun
+from tests.conftest import ROOT, assert_succeeded, reported, torchrun
 
 SCRIPT = ROOT / "tests/distributed/scripts/rollout_checks.py"
 CASES = {  # name: (model, processes, training TP, PP, EP, expert TP, engine TP[, dtype])
@@ -94,8 +93,7 @@ def test_rollout_after_resharding(tiny_models, tiny_moe_models, tmp_path, case):
     result = torchrun(nproc, SCRIPT, "--hf", model_dir, "--out", tmp_path, "--tp", tp, "--pp", pp, "--ep", ep,
                       "--etp", etp, "--engine-tp", engine_tp, "--dtype", dtype)
     assert_succeeded(result)
-    report = json.loads(next(line for line in result.stdout.splitlines()
-                             if line.startswith("REPORT ")).removeprefix("REPORT "))
+    report = reported(result)
     assert report["hf_engine_bit_identical"] and report["vllm_plain_bit_identical"], report
     assert report["vllm_plain_tensors_checked"] >= 9
     hf_names = [n for file in model_dir.glob("*.safetensors") for n in load_file(file)]

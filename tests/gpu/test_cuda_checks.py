@@ -9,11 +9,9 @@ greedy tokens the trainer's log-probs. One rank: NCCL refuses two ranks on one G
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.conftest import ROOT, assert_succeeded, torchrun
+from tests.conftest import ROOT, assert_succeeded, reported, torchrun
 
 pytestmark = pytest.mark.gpu
 
@@ -30,8 +28,7 @@ def test_nccl_group_and_hf_engine_weight_sync(tiny_models, tmp_path):
     relative against fp32's 2^-24."""
     result = torchrun(1, SCRIPT, "--hf", tiny_models["qwen2-untied"], "--out", tmp_path, "--values", *VALUES)
     assert_succeeded(result)
-    report = json.loads(next(line for line in result.stdout.splitlines()
-                             if line.startswith("REPORT ")).removeprefix("REPORT "))
+    report = reported(result)
 
     # One rank: a sum is the tensor itself, a broadcast from rank 0 too; each stays where it was.
     assert report["backend"] == "cuda:nccl,cpu:gloo" and report["compute_device"] == "cuda:0", report

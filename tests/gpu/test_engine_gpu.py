@@ -6,13 +6,11 @@ differ by ~3e-2 on CPU in bf16 (measured); 1e-1 allows TE's different rounding."
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from megarl import device
-from tests.conftest import ROOT, assert_succeeded, torchrun
+from tests.conftest import ROOT, assert_succeeded, reported, torchrun
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,8 +29,7 @@ def test_transformer_engine_scores_match_transformers(tiny_models, tmp_path, tp,
                       "--value", tiny_models["qwen2-value"], "--out", tmp_path, "--tp", tp, "--dtype", "bfloat16",
                       *micro_batches)
     assert_succeeded(result)
-    report = json.loads(next(line for line in result.stdout.splitlines()
-                             if line.startswith("REPORT ")).removeprefix("REPORT "))
+    report = reported(result)
     assert report["shares_prompts"] == [share_prompts] * 2
     assert report["attention_masks"] == [["arbitrary" if share_prompts else "causal"]] * 2
     assert report["rope_fusion"] == [not share_prompts] * 2

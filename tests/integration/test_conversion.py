@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from megarl.data.synthetic import make_arithmetic
-from tests.conftest import ROOT, assert_succeeded, torchrun
+from tests.conftest import ROOT, assert_succeeded, reported, torchrun
 
 TO_HF, FROM_HF = ROOT / "checkpoints_tools/convert_to_hf.py", ROOT / "checkpoints_tools/convert_from_hf.py"
 
@@ -68,6 +68,5 @@ def test_trained_checkpoint_converts_for_transformers_and_vllm(tiny_models, tmp_
     assert json.loads((tmp_path / "critic/config.json").read_text())["architectures"] == ["Qwen2ForTokenClassification"]
     result = torchrun(1, ROOT / "tests/distributed/scripts/vllm_loads.py", tmp_path / "actor")
     assert_succeeded(result)
-    report = json.loads(next(line for line in result.stdout.splitlines()
-                             if line.startswith("REPORT ")).removeprefix("REPORT "))
+    report = reported(result)
     assert report["tokens_equal"] and report["logprob_diff"] <= 1e-4, report

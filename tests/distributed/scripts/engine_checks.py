@@ -7,7 +7,6 @@ test compares the exported weights across layouts.
 """
 
 import argparse
-import json
 
 import torch
 import torch.distributed as dist
@@ -22,6 +21,7 @@ from megarl.engine.batching import balance_over_data_parallel, padded_micro_batc
 from megarl.engine.megatron_engine import MegatronEngine
 from megarl.engine.prompt_sharing import PromptGroups
 from megarl.models.hf_interop import export_hf
+from reporting import print_report
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--policy", required=True)
@@ -150,5 +150,5 @@ report["offload_bytes"] = policy.memory.offload()  # device bytes freed, per cat
 report["param_count"] = sum(p.numel() for p in policy.module.parameters())
 report["grad_buckets"] = sum(len(buffer.buckets) for buffer in policy.model.buffers)
 if dist.get_rank() == 0:
-    print("REPORT " + json.dumps(report), flush=True)
+    print_report(report)
 finish_process()

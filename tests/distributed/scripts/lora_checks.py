@@ -30,6 +30,7 @@ from megarl.engine.parity import tokenize
 from megarl.models.hf_interop import gather_hf_state_dict
 from megarl.models.lora import EXPERT_TARGETS, adapters_disabled, merged_weights
 from megarl.models.peft_adapter import WEIGHTS_FILE, export_peft
+from reporting import print_report
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", required=True)
@@ -150,5 +151,5 @@ report["grad_buffer_elements"] = sum(parameter.numel() for buffer in engine.mode
 report["grad_norm"] = metrics["grad_norm"]
 every_rank = collectives.all_gather_object(report)
 if dist.get_rank() == 0:
-    print("REPORT " + json.dumps(every_rank), flush=True)
+    print_report(every_rank)
 finish_process()

@@ -30,7 +30,6 @@ expert and the expert bias the engine must reproduce.
 """
 
 import argparse
-import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -46,6 +45,7 @@ from megarl.engine.batching import balance_over_data_parallel, fixed_micro_batch
 from megarl.engine.megatron_engine import MegatronEngine
 from megarl.engine.prompt_sharing import PromptGroups
 from megarl.models.hf_interop import export_hf
+from reporting import print_report
 
 
 TEMPERATURE, AUX, Z, BIAS_RATE = 0.7, 0.1, 0.01, 1e-3  # BIAS_RATE: megatron's default update rate
@@ -371,7 +371,7 @@ def main():
     report["reference"] = {name: value.tolist() if torch.is_tensor(value) else value
                            for name, value in reference_step.items()}
     if dist.get_rank() == 0:
-        print("REPORT " + json.dumps(report), flush=True)
+        print_report(report)
     finish_process()
 
 

@@ -13,7 +13,6 @@ whether the final weights and optimizer states are bitwise equal.
     torchrun --nproc_per_node=2 offload_checks.py --config configs/quickstart_ppo.yaml key=value ...
 """
 
-import json
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from megarl.rollout import ROLLOUT_BACKENDS
 from megarl.rollout.hf_backend import HFRollout
 from megarl.trainer.rl_trainer import RLTrainer
 from megarl.trainer.startup import Run, parse_config
+from reporting import print_report
 
 ENGINES = []  # the MegatronEngines of the trainer being built: actor, reference, critic
 EVENTS = []  # (phase call, resident bytes) of the trainer being run
@@ -145,7 +145,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         report = {"ranks": everyone, "compared": compared, "differing": differing,
                   "losses": [[h["actor/pg_loss"], h["critic/vf_loss"]] for h in on["steps"]]}
-        print("REPORT " + json.dumps(report), flush=True)
+        print_report(report)
     finish_process()
 
 

@@ -13,7 +13,6 @@ syncs them into a vLLM engine and an `hf` engine on every rank, and reports (ran
 """
 
 import argparse
-import json
 import logging
 from collections import Counter
 
@@ -29,6 +28,7 @@ from megarl.rollout import vllm_cpu_kernels, vllm_direct_load
 from megarl.rollout.base import Sampling
 from megarl.rollout.hf_backend import HFRollout, checkpoint_tensor
 from megarl.rollout.vllm_backend import VLLMRollout
+from reporting import print_report
 from trained_actor import PROMPTS, generator, make_actor, make_batch, read_safetensors, train_step
 
 parser = argparse.ArgumentParser()
@@ -367,6 +367,6 @@ report["recovered_tokens_equal"] = (vllm.generate(PROMPTS, greedy).response_ids
                                     == reference.generate(PROMPTS, greedy).response_ids)
 
 if rank == 0:
-    print("REPORT " + json.dumps(report), flush=True)
+    print_report(report)
 vllm.shutdown()
 finish_process()

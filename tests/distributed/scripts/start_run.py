@@ -13,16 +13,14 @@ from megarl.engine.batch import SequenceBatch
 from megarl.engine.megatron_engine import MegatronEngine
 from megarl.engine.prompt_sharing import PromptGroups
 from megarl.trainer.startup import start_run
+from reporting import write_line
 
 PROMPT = 30
 RESPONSES = [4] * 8 + [2, 3, 4, 2, 3, 4, 2, 3]
 
 
 def report(line: str) -> None:
-    """One write a line: the ranks share torchrun's console, and print writes the newline apart, so under
-    PYTHONUNBUFFERED two ranks' lines can run into one."""
-    sys.stdout.write(f"rank {run.layout.rank}: {line}\n")
-    sys.stdout.flush()
+    write_line(f"rank {run.layout.rank}: {line}")
 
 
 run = start_run(sys.argv[1:], rl=True)
