@@ -38,6 +38,7 @@ from megarl.distributed import init_layout  # noqa: E402
 from megarl.engine.forward import forward_outputs  # noqa: E402
 from megarl.models.architecture import architecture_from_hf, read_hf_config  # noqa: E402
 from megarl.models.builder import MoESettings, build_model  # noqa: E402
+from reporting import write_line  # noqa: E402
 
 arch = architecture_from_hf(read_hf_config(args.hf))
 moe_arch = architecture_from_hf(read_hf_config(args.moe))
@@ -314,11 +315,11 @@ for name, scenario in (SCENARIOS | SPEED_UPS).items():
     try:
         scenario()
         if os.environ["RANK"] == "0":
-            print(f"PASS {name}", flush=True)
+            write_line(f"PASS {name}")
     except Exception as error:  # report, then fail the launch
         message = str(error).splitlines()[0] if str(error) else ""
         failing_line = traceback.extract_tb(error.__traceback__)[-1].line
-        print(f"ERROR {name}: {type(error).__name__}: {message} (at: {failing_line})", flush=True)
+        write_line(f"ERROR {name}: {type(error).__name__}: {message} (at: {failing_line})")
         traceback.print_exc(file=sys.stderr)
         failed = True
 if dist.is_initialized() and not failed:
