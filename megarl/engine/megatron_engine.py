@@ -60,7 +60,7 @@ from megarl.engine.batching import (
     token_imbalance,
 )
 from megarl.engine.memory import MemoryPhases, torch_optimizers
-from megarl.engine.packing import pack, padding_mask, response_output_rows, router_rows
+from megarl.engine.packing import last_token_rows, pack, padding_mask, response_output_rows, router_rows
 from megarl.engine.prompt_sharing import PositionedRope, PromptGroups, prompt_rows, share_prompts, sharing_off_reason
 from megarl.engine.router_replay import RoutingReplay
 from megarl.engine.routing_stats import RoutingStats
@@ -80,6 +80,8 @@ class ModelInput:
     positions: torch.Tensor
     output_rows: torch.Tensor
     """(b * R,) rows of the flattened model output that predict each response token."""
+    last_rows: torch.Tensor
+    """(b,) rows of the flattened model output that read each sequence's last token."""
     attention_mask: torch.Tensor | None = None
     packed_seq_params: PackedSeqParams | None = None
 
@@ -293,8 +295,8 @@ class MegatronEngine:
         return recut_micro_batches(micro, count, batch.sequence_lengths_B)
 
     def _run_schedule(self, batch: SequenceBatch, micro: list[list[int]], loss_func, forward_only: bool) -> list:
-        """Runs `micro` through the schedule; `loss_func(micro_batch, output_rows, output)` gets the rows
-        of the flattened output that predict the micro-batch's response tokens."""
+        """Runs `micro` through the schedule; `loss_func(micro_batch, model_input, output)` finds the
+        micro-batch's response tokens in the flattened output through its `ModelInput`'s rows."""
         micro_batches = [batch.select(indices) for indices in micro]
         if not self.packed and self.positioned_rope is None:
             micro_batches = [mb.widened_to_multiple(self.sequence_multiple) for mb in micro_batches]
@@ -314,7 +316,7 @@ class MegatronEngine:
                 self.positioned_rope.positions_gW = model_input.positions
             output = model(tokens, model_input.positions, attention_mask=model_input.attention_mask,
                            packed_seq_params=model_input.packed_seq_params, **moe_inputs)
-            return output, partial(loss_func, micro_batch, model_input.output_rows)
+            return output, partial(loss_func, micro_batch, model_input)
 
         if self.rollout_routing is not None:
             self.rollout_routing.begin(has_routing=replaying)
@@ -335,30 +337,34 @@ class MegatronEngine:
         if self.positioned_rope is not None:
             shared = share_prompts(micro_batch, self.shared_row_multiple)
             return ModelInput(shared.tokens_gW.to(compute), shared.positions_gW.to(compute), shared.output_rows,
-                              attention_mask=shared.blocked_g1WW.to(compute))
+                              shared.last_rows, attention_mask=shared.blocked_g1WW.to(compute))
         if not self.packed:
             tokens_bT = micro_batch.tokens_BT.to(compute)
             positions_bT = torch.arange(tokens_bT.shape[1], device=compute).expand_as(tokens_bT)
-            return ModelInput(tokens_bT, positions_bT, response_output_rows(micro_batch, packed=False))
+            return ModelInput(tokens_bT, positions_bT, response_output_rows(micro_batch, packed=False),
+                              last_token_rows(micro_batch, packed=False))
         tokens_1N, positions_1N, cu_seqlens = pack(micro_batch, self.sequence_multiple)
         longest = int(cu_seqlens.diff().max())
         cu_seqlens = cu_seqlens.to(compute)
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                                  max_seqlen_q=longest, max_seqlen_kv=longest)
         return ModelInput(tokens_1N.to(compute), positions_1N.to(compute),
-                          response_output_rows(micro_batch, packed=True), packed_seq_params=params)
+                          response_output_rows(micro_batch, packed=True), last_token_rows(micro_batch, packed=True),
+                          packed_seq_params=params)
 
     # ---- outputs of the model for response tokens -------------------------------------------------
 
-    def _response_outputs(self, micro_batch: SequenceBatch, output_rows: torch.Tensor, output_bTV: torch.Tensor,
+    def _response_outputs(self, micro_batch: SequenceBatch, model_input: ModelInput, output_bTV: torch.Tensor,
                           temperature: float) -> dict:
-        """(b, R) log-probs and entropy (or values) of the response tokens from the model output."""
+        """(b, R) log-probs and entropy of the response tokens from the model output; of a value model,
+        (b, R) values of the positions predicting them and (b,) values of each sequence's last token."""
         b = len(micro_batch)
         mask_bR = micro_batch.response_mask_BR.to(output_bTV.device)
-        rows = output_rows.to(output_bTV.device)
+        rows = model_input.output_rows.to(output_bTV.device)
         if self.arch.value_model:
-            values = output_bTV.reshape(-1)[rows].view(b, -1).float()
-            return {"values": values * mask_bR}
+            values_N = output_bTV.reshape(-1)
+            return {"values": values_N[rows].view(b, -1).float() * mask_bR,
+                    "last_values": values_N[model_input.last_rows.to(values_N.device)].float()}
         local_vocab = output_bTV.shape[-1]
         logprobs, entropy = logprobs_and_entropy(
             output_bTV.reshape(-1, local_vocab)[rows],
@@ -377,13 +383,15 @@ class MegatronEngine:
 
     @torch.no_grad()
     def score(self, batch: SequenceBatch, temperature: float = 1.0) -> dict[str, torch.Tensor]:
-        """Per-token (B, R) log-probs and entropy of the responses (or values) of this DP rank's share."""
+        """Per-token (B, R) log-probs and entropy of the responses of this DP rank's share; of a value
+        model, (B, R) `values` of the positions predicting each response token (a critic's V(s_t)) and (B,)
+        `last_values`, each sequence's value once it has read its last token (a reward model's score)."""
         self.model.eval()
         micro = self._micro_batches(batch)
 
-        def collect(micro_batch, output_rows, output):
+        def collect(micro_batch, model_input, output):
             return torch.zeros((), device=output.device), torch.tensor(0), self._response_outputs(
-                micro_batch, output_rows, output, temperature
+                micro_batch, model_input, output, temperature
             )
 
         collected = self._run_schedule(batch, micro, collect, forward_only=True)
@@ -391,20 +399,22 @@ class MegatronEngine:
 
     def _assemble_outputs(self, batch: SequenceBatch, micro: list[list[int]],
                           per_micro_batch: list[dict]) -> dict[str, torch.Tensor]:
-        """Per-micro-batch (b, R) outputs of the last stage -> (B, R) tensors of the share, on every
-        stage (broadcast over PP), on the CPU."""
-        names = ("values",) if self.arch.value_model else ("logprobs", "entropy")
-        outputs_BR = {name: torch.zeros(len(batch), batch.max_response_length, device=device.compute_device())
-                      for name in names}
+        """Per-micro-batch (b, R) and (b,) outputs of the last stage -> (B, R) and (B,) tensors of the
+        share, on every stage (broadcast over PP), on the CPU."""
+        B, R = len(batch), batch.max_response_length
+        shapes = {"values": (B, R), "last_values": (B,)} if self.arch.value_model else {"logprobs": (B, R),
+                                                                                          "entropy": (B, R)}
+        assembled = {name: torch.zeros(shape, device=device.compute_device()) for name, shape in shapes.items()}
         if self.layout.is_last_stage:
             for indices, outputs in zip(micro, per_micro_batch):
-                for name in names:
-                    outputs_BR[name][indices, : outputs[name].shape[1]] = outputs[name]
+                for name, output in outputs.items():
+                    # A micro-batch's responses may be narrower than the share's: (indices, :r) of (B, R).
+                    assembled[name][(indices, *(slice(size) for size in output.shape[1:]))] = output
         if self.layout.pp > 1:
             last_stage = dist.get_process_group_ranks(self.layout.pp_group)[-1]
-            for name in names:
-                dist.broadcast(outputs_BR[name], src=last_stage, group=self.layout.pp_group)
-        return {name: value.cpu() for name, value in outputs_BR.items()}
+            for tensor in assembled.values():
+                dist.broadcast(tensor, src=last_stage, group=self.layout.pp_group)
+        return {name: value.cpu() for name, value in assembled.items()}
 
     # ---- training ---------------------------------------------------------------------------------
 
@@ -437,8 +447,8 @@ class MegatronEngine:
             self.routing.begin(weight)
         kept = []
 
-        def loss_func(micro_batch, output_rows, output):
-            outputs = self._response_outputs(micro_batch, output_rows, output, temperature)
+        def loss_func(micro_batch, model_input, output):
+            outputs = self._response_outputs(micro_batch, model_input, output, temperature)
             if keep_outputs:
                 kept.append({name: value.detach() for name, value in outputs.items()})
             loss, metrics = loss_fn(outputs, micro_batch, normalizer)

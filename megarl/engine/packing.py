@@ -7,7 +7,8 @@ each, and `cu_seqlens` (cumulative lengths from 0) tells attention where each se
 Either way the model output is read back through one index: output row = the sequence's first row
 (i * T padded, cu_seqlens[i] packed) + the position inside the sequence that predicts the response
 token (`SequenceBatch.response_positions_BR`, which stays inside each sequence's own tokens, so the
-padded response columns of the last packed sequence never point past the last row).
+padded response columns of the last packed sequence never point past the last row). A sequence's
+last token is read at its first row + its length - 1.
 """
 
 from __future__ import annotations
@@ -46,11 +47,19 @@ def padding_mask(batch: SequenceBatch, width: int, packed: bool) -> torch.Tensor
 def response_output_rows(batch: SequenceBatch, packed: bool) -> torch.Tensor:
     """(b * R,) rows of the flattened model output, (b*T, ...) padded or (N, ...) packed, that predict
     each response token; padded response columns repeat the sequence's last real row."""
+    return (batch.response_positions_BR() + _first_rows(batch, packed)[:, None]).flatten()
+
+
+def last_token_rows(batch: SequenceBatch, packed: bool) -> torch.Tensor:
+    """(b,) rows of the flattened model output that read each sequence's last token (where a reward model
+    scores the whole sequence)."""
+    return _first_rows(batch, packed) + batch.sequence_lengths_B - 1
+
+
+def _first_rows(batch: SequenceBatch, packed: bool) -> torch.Tensor:
     if packed:
-        first_rows_B = cumulative_lengths(batch.sequence_lengths_B)[:-1].long()
-    else:
-        first_rows_B = batch.tokens_BT.shape[1] * torch.arange(len(batch))
-    return (batch.response_positions_BR() + first_rows_B[:, None]).flatten()
+        return cumulative_lengths(batch.sequence_lengths_B)[:-1].long()
+    return batch.tokens_BT.shape[1] * torch.arange(len(batch))
 
 
 def router_rows(batch: SequenceBatch, width: int, packed: bool) -> tuple[torch.Tensor, torch.Tensor]:

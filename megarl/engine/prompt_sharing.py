@@ -107,6 +107,9 @@ class SharedPromptInput:
     """(b * R,) rows of the flattened (g * W) model output that predict each response token, in
     micro-batch order; padded response columns repeat the sequence's last predicting row."""
 
+    last_rows: torch.Tensor
+    """(b,) rows of the flattened (g * W) model output that read each sequence's last token."""
+
 
 def prompt_rows(batch: SequenceBatch) -> list[list[int]]:
     """The sequences of each distinct prompt of `batch` (equal prompt tokens), in order of first appearance:
@@ -142,16 +145,23 @@ def share_prompts(batch: SequenceBatch, multiple: int = 1) -> SharedPromptInput:
     causal_WW = torch.ones(width, width, dtype=torch.bool).tril()
     query, key = branches_gW[:, :, None], branches_gW[:, None, :]
     allowed_gWW = causal_WW & ((key == 0) | (key == query))
-    return SharedPromptInput(tokens_gW, positions_gW, ~allowed_gWW[:, None], _output_rows(batch, starts, width))
-
-
-def _output_rows(batch: SequenceBatch, starts: list[tuple[int, int]], width: int) -> torch.Tensor:
     row_B, start_B = (torch.tensor(column) for column in zip(*starts))
+    return SharedPromptInput(tokens_gW, positions_gW, ~allowed_gWW[:, None], _output_rows(batch, row_B, start_B, width),
+                             _last_rows(batch, row_B, start_B, width))
+
+
+def _output_rows(batch: SequenceBatch, row_B: torch.Tensor, start_B: torch.Tensor, width: int) -> torch.Tensor:
     last_column_B = batch.response_lengths_B - 1
     columns_BR = torch.minimum(torch.arange(batch.max_response_length)[None, :], last_column_B[:, None])
     # Response token j is predicted by the row before it: the prompt's last token for j = 0.
     predicting_BR = torch.where(columns_BR == 0, batch.prompt_lengths_B[:, None] - 1, start_B[:, None] + columns_BR - 1)
     return (row_B[:, None] * width + predicting_BR).flatten()
+
+
+def _last_rows(batch: SequenceBatch, row_B: torch.Tensor, start_B: torch.Tensor, width: int) -> torch.Tensor:
+    # A response's tokens start at its own column `start`; an empty one ends with the shared prompt.
+    lengths_B = batch.response_lengths_B
+    return row_B * width + torch.where(lengths_B > 0, start_B + lengths_B - 1, batch.prompt_lengths_B - 1)
 
 
 class PositionedRope:

@@ -1,6 +1,6 @@
-"""The reward phase's pure steps from scored rollouts to the batch's sequence rewards: the reward model's
-score, the overlong penalty, and the reward's named components. Plain tensors, so that their effect on a
-batch is testable without a launch.
+"""The reward phase's pure steps from scored rollouts to the batch's sequence rewards: the overlong penalty
+and the reward's named components. Plain tensors, so that their effect on a batch is testable without a
+launch. (A reward model's score is its engine's `last_values`.)
 """
 
 from __future__ import annotations
@@ -9,12 +9,6 @@ import torch
 
 from megarl.algorithms import overlong_penalty
 from megarl.rewards.manager import RewardFunctionError
-
-
-def reward_model_scores(values_BR: torch.Tensor, response_lengths_B: torch.Tensor) -> torch.Tensor:
-    """A reward model's score of each sequence: its value at the last response token. (B,)"""
-    last_B = (response_lengths_B - 1).clamp(min=0)
-    return values_BR.gather(1, last_B[:, None]).squeeze(1)
 
 
 def sequence_rewards(scores_B: torch.Tensor, response_lengths_B: torch.Tensor, max_response_length: int,

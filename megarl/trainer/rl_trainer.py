@@ -51,7 +51,7 @@ from megarl.trainer.metrics import (
     update_metrics,
 )
 from megarl.trainer.prime import ImplicitPRM
-from megarl.trainer.reward import reward_components, reward_model_scores, sequence_rewards
+from megarl.trainer.reward import reward_components, sequence_rewards
 from megarl.trainer.shares import sum_over_shares, take_share
 from megarl.trainer.startup import Run
 from megarl.trainer.teacher import distillation_stats, teacher_engine_config
@@ -188,7 +188,7 @@ class RLTrainer:
         recompute = self.config.actor.recompute_old_logprobs
         old_from_update = (recompute and self.actor.is_single_step(num_groups)
                            and not self.config.algorithm.use_kl_in_reward and self.teacher is None)
-        reward_model_values_BR, scored = None, None
+        reward_model_scores_B, scored = None, None
         if not recompute:
             tensors.old_logprobs_BR = tensors.rollout_logprobs_BR
         with timer("score"):
@@ -202,10 +202,10 @@ class RLTrainer:
             if self.critic is not None:
                 tensors.values_BR = self.critic.score(batch)["values"]
             if self.reward_model is not None:
-                reward_model_values_BR = self.reward_model.score(batch)["values"]
+                reward_model_scores_B = self.reward_model.score(batch)["last_values"]
         stats = ShareStats()
         with timer("reward"):
-            scores_B, token_rewards_BR = self._rewards(batch, local.scores, reward_model_values_BR, stats)
+            scores_B, token_rewards_BR = self._rewards(batch, local.scores, reward_model_scores_B, stats)
         prm_history = []
         if self.prm is not None:
             with timer("update_prm"):
@@ -241,15 +241,15 @@ class RLTrainer:
                 **update_metrics("actor", actor_history), **update_metrics("critic", critic_history),
                 **update_metrics("prime", prm_history), **timing, **throughput(metrics, timing["timing/step"])}
 
-    def _rewards(self, batch, function_scores: list[float], reward_model_values_BR: torch.Tensor | None,
+    def _rewards(self, batch, function_scores: list[float], reward_model_scores_B: torch.Tensor | None,
                  stats: ShareStats) -> tuple[torch.Tensor, torch.Tensor]:
         """The reward phase: each response's score (the reward function's, plus the reward model's), and the
         (B, R) token rewards the estimator takes: the score, less DAPO's overlong penalty, on the last token,
         less the KL penalty against the reference on every token (`algorithm.use_kl_in_reward`)."""
         algorithm, tensors = self.config.algorithm, batch.response_tensors
         scores_B = torch.tensor(function_scores)
-        if reward_model_values_BR is not None:
-            scores_B = scores_B + reward_model_scores(reward_model_values_BR, batch.response_lengths_B)
+        if reward_model_scores_B is not None:
+            scores_B = scores_B + reward_model_scores_B
         penalized_B = sequence_rewards(scores_B, batch.response_lengths_B, self.config.data.max_response_length,
                                        algorithm.overlong_buffer_length, algorithm.overlong_penalty_factor)
         token_rewards_BR = token_level_scores(penalized_B.tolist(), batch.response_lengths_B.tolist())

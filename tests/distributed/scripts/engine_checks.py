@@ -57,11 +57,14 @@ groups = PromptGroups(2, int(prompt_lengths.max()), int(response_lengths.max()))
 
 
 def hf_response_outputs(model_dir, value_model):
-    """Reference per-response-token outputs from a `transformers` forward on each sequence."""
+    """Reference per-response-token outputs from a `transformers` forward on each sequence; of a value
+    model also its output at each sequence's last token (a reward model's score)."""
     hf_class = AutoModelForTokenClassification if value_model else AutoModelForCausalLM
     model = hf_class.from_pretrained(model_dir, dtype=torch.float32).eval()
     width = int(response_lengths.max())
     results = {name: torch.zeros(8, width) for name in (("values",) if value_model else ("logprobs", "entropy"))}
+    if value_model:
+        results["last_values"] = torch.zeros(8)
     with torch.no_grad():
         for i in range(8):
             length = int(prompt_lengths[i] + response_lengths[i])
@@ -69,6 +72,7 @@ def hf_response_outputs(model_dir, value_model):
             rows = out[int(prompt_lengths[i]) - 1 : length - 1]
             if value_model:
                 results["values"][i, : len(rows)] = rows[:, 0]
+                results["last_values"][i] = out[length - 1, 0]
                 continue
             log_p = torch.log_softmax(rows / TEMPERATURE, dim=-1)
             targets = tokens[i, int(prompt_lengths[i]) : length]
@@ -79,7 +83,8 @@ def hf_response_outputs(model_dir, value_model):
 
 def max_diff(scores, reference):
     """The largest difference on any rank; `reference` holds the whole batch, `scores` this rank's share."""
-    local = max(float((scores[name] - reference[name][share, : scores[name].shape[1]]).abs().max())
+    assert scores.keys() == reference.keys(), (sorted(scores), sorted(reference))
+    local = max(float((scores[name] - reference[name][share][..., : scores[name].shape[-1]]).abs().max())
                 for name in scores)
     worst = torch.tensor(local)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
