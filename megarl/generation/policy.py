@@ -65,7 +65,8 @@ class RolloutPolicy:
             self._wake(("weights",))
             version, sync = self.weights_version(), None
             if version != self.engine_version:
-                # LoRA: an engine that holds some version gets only the adapted linears (merged) again.
+                # LoRA: an engine that holds some version gets only the adapted linears (merged) again, where it
+                # can take them alone (`WeightSync.sync`).
                 names = self.sync.changing if self.engine_version is not None else None
                 self.engine_version = None  # until the sync succeeds
                 sync = self.sync.sync(step, names)

@@ -33,7 +33,7 @@ from megarl.distributed import collectives
 from megarl.distributed.layout import ParallelLayout
 from megarl.distributed.split_world import SplitWorld
 from megarl.models.architecture import Architecture
-from megarl.models.state_dict_adapter import mapped_tensors
+from megarl.models.state_dict_adapter import mapped_tensors, served_tensors
 from megarl.resharding.engine_layout import engine_needs
 from megarl.resharding.executor import SyncStats, gather_replica, hf_shapes_from, layer_buckets, local_sources
 from megarl.resharding.plan import Need, Transfer, merge_plans, plan_for_rank
@@ -47,7 +47,9 @@ class CrossGroupSync:
                  engine: RolloutEngine | None = None):
         """Collective over the whole world: trainer ranks pass `trainer`, rollout ranks `engine`."""
         self.world, self.engine, self.rank = world, engine, world.rank
-        self.trainer_tensors = mapped_tensors(*trainer[:2]) if trainer is not None else {}
+        self.trainer = trainer
+        self.trainer_tensors: dict[str, torch.Tensor] = {}
+        """What this trainer rank sends in the current sync (`served_tensors`: LoRA adapters merged as they are)."""
         described = _describe_sources(*trainer) if trainer is not None else None
         arch, replicas, expert_replicas, shapes, dtypes = world.broadcast_object(described, root=0)
         self.hf_shapes, self.hf_dtypes = shapes, dtypes
@@ -91,6 +93,7 @@ class CrossGroupSync:
         """Trainer ranks send, rollout ranks receive and load; every rank of the world calls this."""
         start = time.perf_counter()
         if self.world.is_trainer:
+            self.trainer_tensors = served_tensors(*self.trainer[:2])
             sent = sum(self._send_bucket(transfers) for transfers in self.bucket_transfers)
             return SyncStats(time.perf_counter() - start, 0.0, 0, sent, 0, 0)
         received, peak = [0], [0]

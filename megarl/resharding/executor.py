@@ -220,13 +220,16 @@ class WeightSync:
         self.bucket_transfers: list[list[Transfer]] = [[] for _ in self.buckets]
         for t in sorted(self.plan.transfers, key=lambda t: (t.hf_name, t.src, t.dst, t.start)):
             self.bucket_transfers[bucket_of[t.hf_name]].append(t)
-        adapted = {f"{name}.weight" for name in adapters_of(module)}
-        changing = {hf_name for mapping in param_mappings(module, arch) if mapping.megatron_name in adapted
+        trained = {f"{name}.weight" for name in adapters_of(module)}
+        if trained:  # besides the adapted linears, aux-loss-free balancing moves the routers' correction biases
+            trained |= {name for name in mapped_tensors(module, arch) if name.endswith(".router.expert_bias")}
+        changing = {hf_name for mapping in param_mappings(module, arch) if mapping.megatron_name in trained
                     for hf_name in mapping.hf_names}
         changing = set().union(*collectives.all_gather_object(changing))
         self.changing: frozenset[str] | None = frozenset(changing) if changing else None
-        """LoRA: the HF tensors whose weights training changes (the adapted linears', merged), on any rank; an
-        engine that kept the others needs only these (`sync(names=...)`). None: every tensor changes."""
+        """LoRA: the HF tensors whose weights training changes (the adapted linears', merged, and any router
+        correction biases), on any rank; an engine that kept the others needs only these (`sync(names=...)`).
+        None: every tensor changes."""
 
     def _shard_slice(self, transfer: Transfer) -> torch.Tensor:
         return transfer.of_shard(self.params[transfer.megatron_name].detach())
@@ -234,7 +237,8 @@ class WeightSync:
     @torch.no_grad()
     def sync(self, step: int, names: Collection[str] | None = None) -> SyncStats:
         """Load the current training weights into the engine, of the HF tensors `names` (every one when None:
-        the engine holds none yet, or dropped them); all ranks call this together with the same `names`.
+        the engine holds none yet, or dropped them, or can take no update of some tensors alone: see
+        `RolloutEngine.takes_partial_loads`); all ranks call this together with the same `names`.
 
         Where this rank holds every slice its engine needs and the engine's last load was a copy into
         places it names, the slices are copied into those places: no buckets, no loader. Otherwise
@@ -245,8 +249,10 @@ class WeightSync:
         start_time = time.perf_counter()
         progress = _SyncProgress()
         self.params = served_tensors(self.module, self.arch)  # LoRA: the adapters merged as they are now
-        self.engine.begin_weight_update(step, partial=names is not None)
         places = self.engine.weight_places() if self.local else None
+        if places is None and not self.engine.takes_partial_loads:
+            names = None
+        self.engine.begin_weight_update(step, partial=names is not None)
         try:
             if places is None:
                 self.engine.load_weights(self._buckets_in(progress, names))

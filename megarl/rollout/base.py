@@ -81,6 +81,11 @@ class RolloutEngine(Protocol):
     routed_experts_shape: tuple[int, int] | None
     """(layers, experts per token) of the routing each output carries; None for dense models."""
 
+    takes_partial_loads: bool
+    """Whether `load_weights` takes an update of some of the tensors (`begin_weight_update(partial=True)`),
+    keeping the others as they are. Where it does not, a sync that cannot copy into `weight_places` sends
+    every tensor."""
+
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> RolloutOutput:
         """Every response to `prompts`, at once. Refused while submitted requests are in the engine."""
 

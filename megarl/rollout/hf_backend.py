@@ -103,6 +103,8 @@ class HFRollout:
             forwards.clear()
         return routing
 
+    takes_partial_loads = True  # each tensor is copied into its own parameter
+
     def begin_weight_update(self, step: int, partial: bool = False) -> None:
         self.guard.begin(step)
 

@@ -175,6 +175,8 @@ class VLLMRollout:
             self.llm.collective_rpc(use_c_kernels)
         self.direct_loader: DirectLoader | None = self.llm.collective_rpc(_direct_loader)[0]
         """Set where a weight update can skip vLLM's generic reload (`megarl.rollout.vllm_direct_load`)."""
+        self.takes_partial_loads = self.direct_loader is None
+        """vLLM's reload keeps the layers it is not fed; the direct load takes every layer whole."""
         self.guard = WeightUpdateGuard(has_weights=not dummy_weights)
         self.submitted: set[str] = set()
         """The keys of the requests `submit` started that have not ended or been aborted."""

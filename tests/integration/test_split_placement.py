@@ -1,7 +1,7 @@
 """Split placement at staleness 0 is the colocated run, moved: the real launcher for 3 GRPO steps with a DP2
 trainer + 1 rollout rank (`hf` engine, multi-turn trajectories with an environment; each trainer rank receives
-its share of the batch alone) and with a TP2 trainer + 2 rollout ranks (one vLLM engine at TP2), each
-against the colocated run of the same trainer layout and engine. Every
+its share of the batch alone) and with a LoRA-adapted TP2 trainer + 2 rollout ranks (one vLLM engine at TP2),
+each against the colocated run of the same trainer layout and engine. Every
 prompt samples with its own seed and the engine holds the trainer's weights of the previous step, so the
 responses and rewards are the colocated run's exactly, and the losses agree (same kernels, same bytes). Every
 sync moves what the engines need and no more. (Staleness 1 and exact resume: test_checkpoint_resume.py.)
@@ -20,7 +20,10 @@ STEPS = 3
 CASES = {  # name: (processes, overrides shared by both runs, split placement's own)
     # Trajectories of three turns, the environment answering the first two.
     "dp2+1-hf-multi-turn": (2, ["rollout.backend=hf", *user_environment.overrides()], ["rollout.num_ranks=1"]),
-    "tp2+2-vllm-tp2": (2, ["actor.tp=2", "rollout.tp=2"], ["rollout.num_ranks=2"]),
+    # LoRA: the colocated engine takes the adapted linears alone after its first sync, the split one whole merged
+    # weights.
+    "tp2+2-vllm-tp2-lora": (2, ["actor.tp=2", "rollout.tp=2", "actor.lora.rank=8", "actor.optim.lr=1e-2"],
+                            ["rollout.num_ranks=2"]),
 }
 
 

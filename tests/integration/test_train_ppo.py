@@ -445,3 +445,17 @@ def test_grpo_with_lora_syncs_the_merged_adapted_linears_and_its_reference_is_th
     messages = [line for line in result.stderr.splitlines() if "trained on other base weights" in line]
     assert len(messages) == 1 and messages[0].startswith("convert_to_hf: "), result.stderr[-2000:]
     assert f"than those at {model} now" in messages[0]
+
+
+def test_grpo_with_lora_on_vllm_engines_that_take_whole_updates(tiny_models, arithmetic, tmp_path):
+    # LoRA at TP2 on vLLM engines of TP1: each engine needs the other TP rank's half, so no sync copies into the
+    # engine's own places, and vLLM's direct load takes every layer whole: every sync sends every tensor (the
+    # adapted linears merged), and the engines' log-probs match the trainer's after the adapters moved.
+    overrides = _overrides(tiny_models["qwen2-untied"], arithmetic, tmp_path, "actor.tp=2", "actor.lora.rank=8",
+                           "actor.optim.lr=1e-2", "trainer.total_steps=3", "trainer.val_before_train=false")
+    assert_succeeded(torchrun(2, ROOT / "launchers/train_ppo.py", "--config", "configs/quickstart.yaml", *overrides))
+    run = tmp_path / "quickstart_grpo"
+    mismatch = _values(run, "quickstart_grpo", "mismatch/logprob_abs_diff_max")
+    assert len(mismatch) == 3 and max(mismatch) < 1e-4, mismatch
+    received = _values(run, "quickstart_grpo", "sync/bytes_received")  # step 1's is the first, whole sync's
+    assert received == received[:1] * 3 and _values(run, "quickstart_grpo", "sync/bytes_over_lower_bound") == [1.0] * 3
