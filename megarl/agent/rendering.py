@@ -8,10 +8,11 @@ difference of two renderings of a probe conversation that ends with an assistant
     observation = closing + render(probe + observation messages, generation prompt)[len(render(probe)):]
 
 where `closing` is what the template writes after an assistant message's content (`<|im_end|>\\n` for
-Qwen's ChatML). The model ends its turn by sampling the closing's first token (its end-of-turn token,
-a stop token of multi-turn generation); the rest of the closing and the next turn's header follow
-as environment tokens. So the trajectory, plus the rest of the last turn's closing, is exactly the
-template's rendering of its messages (tests/unit/agent/test_rendering.py), except where:
+Qwen's ChatML, ` </s>` for Llama 2). The model ends its turn by sampling the closing's first special
+token (its end-of-turn token, a stop token of multi-turn generation), after any text the closing has
+before it; the rest of the closing and the next turn's header follow as environment tokens. So the
+trajectory, plus the rest of the last turn's closing, is exactly the template's rendering of its
+messages (tests/unit/agent/test_rendering.py), except where:
 - the model stopped with another stop token (EOS) or ran out of budget: its tokens are kept, and the
   closing follows in full (the template would have no EOS there);
 - the model's tokens are not the tokenizer's own encoding of their text (BPE can sample a
@@ -22,8 +23,10 @@ template's rendering of its messages (tests/unit/agent/test_rendering.py), excep
 
 from __future__ import annotations
 
-SENTINEL = "\x1fassistant turn\x1f"
-"""Content of the probe's assistant turn: marks where the template's closing of an assistant turn begins."""
+SENTINEL = "\ue000assistant turn\ue001"
+"""Content of the probe's assistant turn: marks where the template's closing of an assistant turn begins.
+Its ends are private-use characters, not whitespace: templates trim contents (Llama 3's and Gemma's
+`| trim`, Llama 2's `.strip()`), and Python's strip takes control characters such as \\x1f for whitespace."""
 PROBE = [{"role": "user", "content": "?"}, {"role": "assistant", "content": SENTINEL}]
 
 
@@ -35,13 +38,19 @@ class ChatRenderer:
             raise ValueError("rollout.multi_turn needs a tokenizer with a chat template (model.path's has none)")
         self.tokenizer, self.tools = tokenizer, tools or None
         self.probe_text = self._text(PROBE)
+        if SENTINEL not in self.probe_text:
+            raise ValueError(f"the chat template of model.path's tokenizer does not write an assistant message's "
+                             f"content as given: an assistant message {SENTINEL!r} renders without it")
         self.closing = self.probe_text[self.probe_text.index(SENTINEL) + len(SENTINEL):]
-        closing_ids = self._ids(self.closing)
-        if not closing_ids:
-            raise ValueError("the chat template writes nothing after an assistant turn: no end-of-turn token to "
-                             "stop on")
-        self.end_of_turn_id = closing_ids[0]
-        """The token that ends a model turn: the first token of the template's closing."""
+        special_ids = {*tokenizer.all_special_ids, *tokenizer.added_tokens_decoder}
+        self.end_of_turn_id = next((id for id in self._ids(self.closing) if id in special_ids), None)
+        """The token that ends a model turn: the first special (or added) token of the template's closing."""
+        if self.end_of_turn_id is None:
+            raise ValueError(f"the chat template of model.path's tokenizer closes an assistant turn with "
+                             f"{self.closing!r}, which holds no special token to end a turn on")
+        end_of_turn = tokenizer.convert_ids_to_tokens(self.end_of_turn_id)
+        self.turn_end = self.closing[: self.closing.index(end_of_turn) + len(end_of_turn)]
+        """What a model turn ends with: the closing up to its end-of-turn token (` </s>` for Llama 2)."""
 
     def _text(self, messages: list[dict], generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
@@ -63,7 +72,10 @@ class ChatRenderer:
             raise ValueError("the chat template renders earlier turns differently once tool messages follow; "
                              "multi-turn rollouts need a template that only appends")
         ids = self._ids(self.closing + after[len(self.probe_text):])
-        return ids[1:] if turn_ids and turn_ids[-1] == self.end_of_turn_id else ids
+        # A turn that ended on the end-of-turn token holds the closing through it (`turn_end`): special
+        # tokens split a text, so the ids up to the first end-of-turn token are those of `turn_end`.
+        ended = turn_ids and turn_ids[-1] == self.end_of_turn_id
+        return ids[ids.index(self.end_of_turn_id) + 1:] if ended else ids
 
     def continuation(self, turns: list[dict]) -> tuple[list[int], list[int]]:
         """A reference continuation of an opening (an SFT target): `turns`, assistant messages with the
@@ -83,7 +95,7 @@ class ChatRenderer:
             if observed:
                 observation = self.observation(observed, turn_ids)
                 ids, loss_mask, observed = ids + observation, loss_mask + [0] * len(observation), []
-            turn_ids = self._ids(message["content"]) + [self.end_of_turn_id]
+            turn_ids = self._ids(message["content"] + self.turn_end)
             ids, loss_mask = ids + turn_ids, loss_mask + [1] * len(turn_ids)
         return ids, loss_mask
 

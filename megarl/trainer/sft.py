@@ -2,7 +2,7 @@
 
 Each prompt is followed by its reference response: a multi-turn trace (`extra_info["turns"]`:
 assistant messages with tool results between them) rendered as the tokens a multi-turn rollout of
-it holds (`ChatRenderer.continuation`); else the text of `extra_info["answer"]` when the data has one,
+it holds (`ChatRenderer.continuation`); else the text of `extra_info["answer"]` when the row has one,
 else the ground truth, and the end-of-text token. The prompt is tokenized as RL and generation
 tokenize it (its special tokens included, and with `rollout.multi_turn.enable` the tools preamble of
 `rollout.multi_turn.tools`, so the warm start and the RL run after it see the same opening); the
@@ -47,7 +47,9 @@ def reference_response(prompt: Prompt, tokenizer, renderer: ChatRenderer | None,
         except ValueError as error:
             raise ValueError(f"data.train_files prompt {prompt.index}, extra_info.turns: {error}") from None
         return ids[:max_response_length], loss_mask[:max_response_length]
-    text = prompt.extra_info.get("answer", prompt.ground_truth) if prompt.extra_info else prompt.ground_truth
+    # Parquet reads a struct's absent fields back as None: rows without an answer in a file with some.
+    answer = prompt.extra_info.get("answer") if prompt.extra_info else None
+    text = prompt.ground_truth if answer is None else answer
     ids = continuation_ids(str(text), tokenizer)[: max_response_length - 1] + [tokenizer.eos_token_id]
     return ids, [1] * len(ids)
 
@@ -73,8 +75,10 @@ class SFTTrainer:
         tools = tool_schemas(config.rollout.multi_turn)
         self.data = PromptDataset(config.data.train_files, self.tokenizer, config.data.max_prompt_length,
                                   config.data.apply_chat_template, tools=tools)
+        # Only traces are rendered: text answers train with any template.
+        traces = any(prompt.extra_info.get("turns") for prompt in self.data)
         renderer = (ChatRenderer(self.tokenizer, tools)
-                    if uses_chat_template(self.tokenizer, config.data.apply_chat_template) else None)
+                    if traces and uses_chat_template(self.tokenizer, config.data.apply_chat_template) else None)
         self.references = [reference_response(prompt, self.tokenizer, renderer, config.data.max_response_length)
                            for prompt in self.data]
         self.sampler = ResumableSampler(len(self.data), config.data.train_batch_size, config.trainer.seed,

@@ -1,7 +1,9 @@
 """A trajectory assembled from the renderer's pieces (opening, model turns as sampled, observations) is
 the chat template's own rendering of the same messages, token for token, with and without a BOS token;
 where the model stops on EOS instead of the end-of-turn token, its EOS stays and the closing follows; a
-trajectory's opening is the template's rendering with the run's tool schemas."""
+trajectory's opening is the template's rendering with the run's tool schemas; so it is for templates
+that trim message contents or write text before their end-of-turn token, and a template the renderer
+cannot cut fails with one line."""
 
 from __future__ import annotations
 
@@ -20,6 +22,14 @@ OPENING = [{"role": "system", "content": "Be brief."}, {"role": "user", "content
 FIRST = '<tool_call>{"name": "calculator", "arguments": {"expression": "123*45"}}</tool_call>'
 RESULTS = [{"role": "tool", "content": "5535"}, {"role": "tool", "content": "error: none"}]
 LAST = "123*45 = 5535"
+# As Llama 3's and Gemma's templates, trims contents (`| trim`): the probe's sentinel must not end in whitespace.
+TRIMMING = make_tiny_model.CHAT_TEMPLATE.replace("{{ message['content'] }}<|im_end|>",
+                                                 "{{ message['content'] | trim }}<|im_end|>")
+# As Llama 2's template: strips contents, and an assistant turn ends with ' ' + eos_token, the space text.
+SPACE_EOS = ("{% for message in messages %}{% if message['role'] == 'assistant' %}"
+             "{{ message['content'].strip() + ' ' + eos_token }}"
+             "{% else %}{{ '[' + message['role'] + '] ' + message['content'].strip() + ' [/' + message['role'] + ']' }}"
+             "{% endif %}{% endfor %}")
 
 
 @pytest.mark.parametrize("bos", [False, True])
@@ -68,3 +78,36 @@ def test_openings_carry_the_tools_preamble_of_the_tool_schemas(bos, tmp_path):
     assert PromptDataset([str(data)], tokenizer, 128, cache_dir=tmp_path, tools=schemas)[0].prompt_ids == expected
     assert ChatRenderer(tokenizer, ToolEnvironment(toolbox).tools).opening(OPENING) == expected
     assert tool_schemas(MultiTurnConfig(enable=False, tools=["calculator"])) == []
+
+
+@pytest.mark.parametrize("template, turn_end, rest", [(TRIMMING, "<|im_end|>", "\n"),
+                                                      (SPACE_EOS, " <|endoftext|>", "")])
+def test_templates_that_trim_contents_or_write_text_before_the_end_of_turn_token(template, turn_end, rest):
+    # A model turn ends with the closing up to its first special token (`turn_end`), which is the token it
+    # stops on: <|endoftext|> after Llama 2's space, never the space. `rest`: the closing after it.
+    tokenizer = make_tiny_model.make_tokenizer()
+    tokenizer.chat_template = template
+    renderer = ChatRenderer(tokenizer, TOOLS)
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    assert renderer.end_of_turn_id == tokenizer.convert_tokens_to_ids(turn_end.strip())
+    first, last = ids(FIRST + turn_end), ids(LAST + turn_end)
+    trajectory = renderer.opening(OPENING) + first + renderer.observation(RESULTS, first) + last
+    turns = [{"role": "assistant", "content": FIRST}, *RESULTS, {"role": "assistant", "content": LAST}]
+    rendered = tokenizer.apply_chat_template(OPENING + turns, tools=TOOLS, tokenize=False)
+    assert rendered.endswith(turn_end + rest)
+    assert trajectory + ids(rest) == ids(rendered)
+    assert renderer.opening(OPENING) + renderer.continuation(turns)[0] == trajectory
+
+
+@pytest.mark.parametrize("content, error", [("{{ message['content'] | upper }}<|im_end|>", "content as given"),
+                                            ("{{ message['content'] }}\n", "no special token")])
+def test_a_template_the_renderer_cannot_cut_fails_with_one_line(content, error):
+    tokenizer = make_tiny_model.make_tokenizer()
+    tokenizer.chat_template = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n" + content
+                               + "{% endfor %}")
+    with pytest.raises(ValueError, match=f"chat template of model.path's tokenizer .*{error}") as raised:
+        ChatRenderer(tokenizer, [])
+    assert "\n" not in str(raised.value)

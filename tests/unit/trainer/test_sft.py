@@ -1,6 +1,7 @@
 """SFT on multi-turn traces: the agent quick start's warm-start rows, rendered with the run's tools, are the
 chat template's own rendering of the conversation, as a multi-turn rollout of it would hold it; the SFT loss
-learns the assistant turns only, not the tool results or the prompt."""
+learns the assistant turns only, not the tool results or the prompt. A text answer is the row's
+`extra_info.answer`, else its ground truth, also where parquet reads an absent answer back as None."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import make_tiny_model
 from megarl.agent.rendering import ChatRenderer
 from megarl.agent.tools import tool_schemas
 from megarl.config.schema import MultiTurnConfig
-from megarl.data import PromptDataset, load_rows
+from megarl.data import PromptDataset, load_rows, write_rows
 from megarl.data.synthetic import make_multiplication
 from megarl.engine.megatron_engine import LossNormalizer
 from megarl.trainer.sft import negative_log_likelihood, reference_response, sft_batch
@@ -70,3 +71,15 @@ def test_the_sft_loss_learns_the_assistant_turns_only(warm_start):
     assert loss.item() == pytest.approx(float(-(logprobs_BR * mask_BR).sum() / mask_BR.sum()), rel=1e-6)
     assert torch.equal(logprobs_BR.grad, -mask_BR / mask_BR.sum())  # exactly zero off the assistant turns
     assert batch.num_loss_tokens == int(mask_BR.sum())
+
+
+def test_a_row_without_an_answer_learns_its_ground_truth_in_a_file_with_answers(tmp_path):
+    # Parquet stores extra_info as one struct for the file: the second row reads back {"answer": None, ...}.
+    rows = [{"prompt": [{"role": "user", "content": f"{a}*3="}], "data_source": "arithmetic",
+             "reward_model": {"ground_truth": str(3 * a)}, "extra_info": extra_info}
+            for a, extra_info in [(12, {"answer": "12*3 = 36", "index": 0}), (7, {"index": 1})]]
+    tokenizer = make_tiny_model.make_tokenizer()
+    prompts = PromptDataset([write_rows(rows, tmp_path / "train.parquet")], tokenizer, 64, cache_dir=tmp_path)
+    assert prompts[1].extra_info == {"answer": None, "index": 1}
+    references = [tokenizer.decode(reference_response(prompt, tokenizer, None, 32)[0]) for prompt in prompts]
+    assert references == ["12*3 = 36<|endoftext|>", "21<|endoftext|>"]
