@@ -18,6 +18,13 @@ result's extras, so the step logs their rates as `reward/judge_unparsable` and `
 
 Mixing: score = (1 - rule_weight) * verdict + rule_weight * rule score; with rule_weight 0 the rule
 function is not called at all (the data may have no rule to call).
+
+Failures: an item whose judge was not asked (`Verdict.error`) is a *judge error*, one whose rule call
+failed or timed out a *rule failure*; both are per-item flags among the extras (`reward/judge_errors`,
+`reward/rule_failures`). The result's `num_errors` counts the items that got no reward from any source: the
+judge errors, or when mixed the items with both a judge error and a rule failure (an item that one source
+scores keeps that source's share of its reward, and is no failure). Each item counts once, as an error, so
+the trainer stops exactly when no item of a step got a reward (`Rollouts.require_rewards`).
 """
 
 from __future__ import annotations
@@ -87,7 +94,8 @@ class Verdict:
     truncated: bool = False
     """The judge's generation hit its token budget."""
     error: str | None = None
-    """Why the judge was not asked (its prompt too long): a reward error, counted in reward/errors."""
+    """Why the judge was not asked (its prompt too long): a judge error, counted in reward/errors unless a
+    mixed-in rule scores the item."""
 
 
 class JudgeRewards:
@@ -101,7 +109,8 @@ class JudgeRewards:
 
     def score(self, items: list[ScoringItem]) -> RewardResult:
         """Every item judged in one batch; extras `judge_score` (the verdict's score, NaN without one),
-        `judge_unparsable`, `judge_timeouts` (0/1 flags) and, when mixed, `rule_score`."""
+        `judge_unparsable`, `judge_timeouts`, `judge_errors` (0/1 flags) and, when mixed, `rule_score` and
+        `rule_failures` (0/1: the rule's call failed or timed out)."""
         rubric = self.rubric
         prompts = [render_judge_prompt(rubric.template, item.prompt, item.solution_str, item.ground_truth)
                    for item in items]
@@ -110,15 +119,16 @@ class JudgeRewards:
         parsed = [None if v.error else parse_verdict(v.text, rubric.choices, rubric.max_score) for v in verdicts]
         judged = [0.0 if p is None else p for p in parsed]
         unread = [p is None and v.error is None for p, v in zip(parsed, verdicts)]  # asked, but no verdict read
-        result = RewardResult(scores=judged, extra={
+        not_asked = [v.error is not None for v in verdicts]
+        result = RewardResult(scores=judged, failed=not_asked, extra={
             "judge_score": [math.nan if p is None else p for p in parsed],
             "judge_unparsable": [float(u and not v.truncated) for u, v in zip(unread, verdicts)],
             "judge_timeouts": [float(u and v.truncated) for u, v in zip(unread, verdicts)],
+            "judge_errors": [float(n) for n in not_asked],
         })
         failed = [(item, v.error) for item, v in zip(items, verdicts) if v.error]
         if failed:
             item, error = failed[0]
-            result.num_errors = len(failed)
             result.first_error = f"{item.origin or 'an item'} (data_source {item.data_source!r}): judge: {error}"
         if rubric.rule_weight:
             rule = self.rule.score(items)
@@ -126,7 +136,8 @@ class JudgeRewards:
             result.scores = [(1 - weight) * j + weight * r for j, r in zip(judged, rule.scores)]
             result.extra.update(rule.extra)
             result.extra["rule_score"] = rule.scores
-            result.num_errors += rule.num_errors
-            result.num_timeouts = rule.num_timeouts
+            result.extra["rule_failures"] = [float(f) for f in rule.failed]
+            result.failed = [n and f for n, f in zip(not_asked, rule.failed)]  # failed: neither source scored it
             result.first_error = result.first_error or rule.first_error
+        result.num_errors = sum(result.failed)
         return result

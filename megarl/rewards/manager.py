@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -52,9 +54,15 @@ class RewardResult:
     """Extra numeric metrics from dict returns, aligned with the items; nan where an item lacks one."""
 
     num_errors: int = 0
+    """Items that got no reward: their call raised or returned no finite score."""
     num_timeouts: int = 0
+    """Items that got no reward: their call ran past the timeout. An item counts once, in one of the two, so
+    num_errors + num_timeouts == len(scores) when no item got a reward."""
     first_error: str | None = None
     """One line describing the first failure (error or timeout), for the log."""
+    failed: list[bool] = field(default_factory=list)
+    """Per item: whether it counts in num_errors or num_timeouts; empty where no item can fail (an
+    environment's rewards)."""
 
 
 class RewardFunctionError(ValueError):
@@ -102,7 +110,9 @@ class _ScorerThread:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float))  # bools count: a correctness flag is a fine metric
+    # numbers.Real takes numpy's integer and floating scalars too (verl-style scorers return them); bools
+    # count, Python's and numpy's (np.bool_ is no numbers.Real): a correctness flag is a fine metric
+    return isinstance(value, (numbers.Real, np.bool_))
 
 
 def _split_result(value: Any) -> tuple[float, dict[str, float]]:
@@ -151,6 +161,7 @@ class RewardManager:
             if failure is not None and result.first_error is None:
                 result.first_error = f"{item.origin or f'item {index}'} (data_source {item.data_source!r}): {failure}"
             result.scores.append(score)
+            result.failed.append(failure is not None)
             extras_per_item.append(extras)
         for key in sorted({key for extras in extras_per_item for key in extras}):
             result.extra[key] = [extras.get(key, math.nan) for extras in extras_per_item]

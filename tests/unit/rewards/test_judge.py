@@ -4,6 +4,7 @@ JudgeRewards' batching, counting and mixing with a rule reward, over a stand-in 
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 
@@ -83,6 +84,7 @@ def test_one_batched_call_scores_parses_and_counts():
     assert result.extra["judge_score"] == pytest.approx([1.0, 0.0, nan, nan, nan, 1.0], nan_ok=True)
     assert result.extra["judge_unparsable"] == [0, 0, 1, 0, 0, 0]  # stopped, no verdict
     assert result.extra["judge_timeouts"] == [0, 0, 0, 1, 0, 0]  # ran out of tokens, no verdict
+    assert result.extra["judge_errors"] == [0, 0, 0, 0, 1, 0]  # not asked
     assert (result.num_errors, result.num_timeouts) == (1, 0)  # the prompt too long: an error, named
     assert result.first_error == "t.parquet: row 4 (data_source 'arithmetic'): judge: too long"
 
@@ -105,6 +107,42 @@ def test_mixing_with_the_rule_reward():
     assert result.scores == pytest.approx([0.75 * 1 + 0.25 * 1, 0.75 * 0.5 + 0.25 * 0, 0.25, 0.25])
     assert result.extra["rule_score"] == [1.0, 0.0, 1.0, 1.0]
     assert result.extra["judge_unparsable"] == [0, 0, 1, 0] and result.extra["judge_timeouts"] == [0, 0, 0, 1]
+
+
+def test_items_neither_source_scores_count_once_each():
+    # The judge is asked about none (every prompt too long); the rule raises on three and times out on one.
+    release = threading.Event()
+
+    def rule(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str == "slow":
+            release.wait(30.0)
+        raise ValueError("no rule")
+
+    judge = FakeJudge({r: Verdict("", error="too long") for r in ("a", "b", "slow", "c")})
+    rubric = JudgeRubric(RUBRIC.template, CHOICES, rule_weight=0.5)
+    result = JudgeRewards(judge, rubric, RewardManager(rule, timeout_seconds=0.2)).score(items("a", "b", "slow", "c"))
+    release.set()
+    assert result.scores == [0.0] * 4 and result.extra["rule_failures"] == [1.0] * 4
+    # Each item once (not 4 judge errors + 3 rule errors + 1 timeout): errors + timeouts == items is how
+    # Rollouts.require_rewards and the placements see that no item got a reward.
+    assert (result.num_errors, result.num_timeouts) == (4, 0)
+
+
+def test_items_one_source_scores_keep_its_share_and_are_no_failure():
+    # The judge is not asked about "a 5" and "b 6"; the rule raises on "7" and "8", which the judge scores.
+    def rule(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str in ("7", "8"):
+            raise ValueError("no rule")
+        return compute_score(data_source, solution_str, ground_truth)
+
+    judge = FakeJudge({"a 5": Verdict("", error="too long"), "b 6": Verdict("", error="too long"),
+                       "7": Verdict("correct"), "8": Verdict("partly")})
+    rubric = JudgeRubric(RUBRIC.template, CHOICES, rule_weight=0.25)
+    result = JudgeRewards(judge, rubric, RewardManager(rule)).score(items("a 5", "b 6", "7", "8"))
+    assert result.scores == pytest.approx([0.25 * 1, 0.25 * 0, 0.75 * 1, 0.75 * 0.5])
+    assert result.extra["judge_errors"] == [1, 1, 0, 0] and result.extra["rule_failures"] == [0, 0, 1, 1]
+    assert (result.num_errors, result.num_timeouts) == (0, 0)  # not 2 + 2, which would stop the run
+    assert result.first_error == "t.parquet: row 0 (data_source 'arithmetic'): judge: too long"  # logged, not fatal
 
 
 def test_a_rule_weight_needs_a_rule():

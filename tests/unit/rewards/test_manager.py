@@ -6,6 +6,7 @@ import math
 import threading
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -87,10 +88,26 @@ def test_dict_returns_give_aligned_extras():
     assert math.isnan(result.extra["length"][1]) and math.isnan(result.extra["acc"][1])
 
 
+@pytest.mark.parametrize("returned, expected", [
+    (np.float32(0.25), 0.25), (np.float16(-2.5), -2.5), (np.int64(3), 3.0), (np.uint8(7), 7.0),
+    (np.bool_(True), 1.0), (np.bool_(False), 0.0), (True, 1.0),  # bools count, numpy's as Python's
+])
+def test_numpy_scalars_are_numbers(returned, expected):
+    # verl-style scorers return numpy scalars, as the score and as extras.
+    def scorer(*args):
+        return {"score": returned, "acc": np.bool_(True), "length": np.int64(4), "ratio": np.float32(0.5)}
+
+    plain, in_dict = RewardManager(lambda *args: returned).score(items("x")), RewardManager(scorer).score(items("x"))
+    assert (plain.scores, plain.num_errors, in_dict.scores, in_dict.num_errors) == ([expected], 0, [expected], 0)
+    assert in_dict.extra == {"acc": [1.0], "length": [4.0], "ratio": [0.5]}
+
+
 @pytest.mark.parametrize("returned, message", [
     ({"acc": 1.0}, "needs a 'score' key"),
     ("1.0", "finite number"),
+    (np.str_("1.0"), "finite number"),
     (float("nan"), "finite number"),
+    (np.float32("inf"), "finite number"),
     (None, "finite number"),
 ])
 def test_invalid_returns_are_errors(returned, message):
