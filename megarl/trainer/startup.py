@@ -154,6 +154,13 @@ def check_estimator_needs(config: RunConfig) -> None:
     if estimator.needs_greedy_baseline and config.trainer.placement == "split":
         raise ConfigError(f"config key 'algorithm.adv_estimator' = {name!r} needs greedy rollouts beside the "
                           "sampled ones, which trainer.placement=split does not make; allowed: colocated placement")
+    shaping = [key for key, value in (("reward.reward_model_path", config.reward.reward_model_path),
+                                      ("algorithm.overlong_buffer_length", config.algorithm.overlong_buffer_length))
+               if value]
+    if estimator.needs_greedy_baseline and shaping:
+        raise ConfigError(f"config key '{shaping[0]}' is set, and algorithm.adv_estimator={name!r} scores its greedy "
+                          "baseline with the reward function alone (the baseline would leave that part of the reward "
+                          f"out); allowed: an empty {shaping[0]}, or another estimator")
     if estimator.needs_teacher and not teacher:
         raise ConfigError(f"config key 'teacher.path' is empty: algorithm.adv_estimator={name!r} distills from a "
                           "teacher; expected a HuggingFace model directory")

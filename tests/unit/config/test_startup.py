@@ -53,6 +53,17 @@ def test_gae_without_critic_fails_naming_the_estimator(monkeypatch, tiny_models)
     assert parse_config(argv, rl=False).algorithm.adv_estimator == "gae"  # SFT trains no critic and needs none
 
 
+def test_remax_refuses_a_reward_its_greedy_baseline_would_leave_out(monkeypatch, tiny_models):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    argv = ["--config", "configs/tiny_cpu.yaml", f"model.path={tiny_models['qwen2-tied']}",
+            "algorithm.adv_estimator=remax"]
+    assert parse_config(argv, rl=True).algorithm.adv_estimator == "remax"
+    shaping = (("reward.reward_model_path", tiny_models["qwen2-value"]), ("algorithm.overlong_buffer_length", 2))
+    for key, value in shaping:
+        with pytest.raises(ConfigError, match=rf"'{key}' is set, and algorithm\.adv_estimator='remax' scores"):
+            parse_config([*argv, f"{key}={value}"], rl=True)
+
+
 def test_rollout_correction_preset_is_registered_and_reads_the_bounds_set(monkeypatch, tiny_models):
     monkeypatch.setenv("WORLD_SIZE", "1")
     argv = ["--config", "configs/tiny_cpu.yaml", f"model.path={tiny_models['qwen2-tied']}"]
