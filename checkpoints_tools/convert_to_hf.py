@@ -8,7 +8,8 @@ models) that fits the model, each rank reading its shards, and every pipeline st
 safetensors shard. The output has the model's config, tokenizer and generation config. `--verify`
 compares the logits of the exported directory under `transformers` with the megarl model's (exit 1
 above --tolerance). A model trained with LoRA adapters exports merged (W + (alpha / r) B A); `--peft-output`
-writes its adapters as a PEFT adapter directory too, for its base model (the HF directory the run started from).
+writes its adapters as a PEFT adapter directory too, for its base model (the HF directory the run started from);
+a critic's, with its trained value head, for that base as `AutoModelForTokenClassification` with num_labels=1.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def main(argv=None) -> int:
     export_hf(model, arch, layout, args.output, str(checkpoint / "hf"))
     if args.peft_output:
         adapters = list(adapters_of(model).values())
-        export_peft(adapters, adapters[0].settings, layout, args.peft_output, base_model)
+        value_head = model.output_layer.score if arch.value_model and layout.is_last_stage else None
+        export_peft(adapters, adapters[0].settings, layout, args.peft_output, base_model, value_head)
         if dist.get_rank() == 0:
             print(f"wrote the LoRA adapters to {args.peft_output}", flush=True)
     status = 0

@@ -11,6 +11,10 @@ A mixture-of-experts layer's routed experts are one PEFT pair per fused weight o
 wrapper per targeted weight in the experts module's order of its parameters (whatever the order of
 `target_parameters`), the first innermost: gate_up_proj's pair is under `base_layer.` when down_proj is targeted too.
 Export gathers the experts over the EP ranks.
+
+A value model (critic) trains its head whole besides the adapters; its adapter is written as PEFT writes a
+token-classification model's (task_type TOKEN_CLS), the head kept whole (`modules_to_save`) as
+`base_model.model.score.{weight,bias}`: for the base loaded with `AutoModelForTokenClassification` (num_labels=1).
 """
 
 from __future__ import annotations
@@ -27,6 +31,12 @@ from megarl.distributed.layout import ParallelLayout
 from megarl.models.lora import EXPERT_TARGETS, MLP_TARGETS, LoRAAdapter, LoRASettings
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+PLAIN_LORA = {"use_rslora": False, "use_dora": False, "bias": "none", "lora_bias": False}
+"""The adapter config's settings of plain LoRA, the only kind megarl's adapters are: scaled alpha / r (rsLoRA:
+alpha / sqrt(r)), no magnitude vectors (DoRA), no trained biases. An adapter with others is refused, not loaded
+without them."""
+VALUE_HEAD = "score"
+"""HF's name of a token-classification model's head (one label for a value model), which megarl's value head is."""
 
 
 def peft_name(layer: int, target: str, matrix: str) -> str:
@@ -93,25 +103,32 @@ def _whole_pairs(adapters: list[LoRAAdapter], settings: LoRASettings, layout: Pa
 
 
 def export_peft(adapters: list[LoRAAdapter], settings: LoRASettings, layout: ParallelLayout, out_dir: str | Path,
-                base_path: str) -> None:
-    """Write the adapters of every pipeline stage as one PEFT adapter directory (rank 0 writes it)."""
+                base_path: str, value_head: torch.nn.Linear | None = None) -> None:
+    """Write the adapters of every pipeline stage as one PEFT adapter directory (rank 0 writes it); a value model's
+    last stage passes its head (`value_head`, trained whole), which makes it a token-classification adapter."""
     stage = _whole_pairs(adapters, settings, layout)
+    if value_head is not None:
+        stage.update({f"base_model.model.{VALUE_HEAD}.{name}": tensor.detach().cpu()
+                      for name, tensor in value_head.named_parameters()})
     stages = collectives.all_gather_object(stage if layout.holds_unique_stage_copy else {}, group=layout.pp_group)
     if dist.get_rank() == 0:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        save_file({name: tensor.contiguous() for part in stages for name, tensor in part.items()}, out / WEIGHTS_FILE)
+        tensors = {name: tensor.contiguous() for part in stages for name, tensor in part.items()}
+        value_model = f"base_model.model.{VALUE_HEAD}.weight" in tensors  # from the last stage
+        save_file(tensors, out / WEIGHTS_FILE)
         (out / CONFIG_FILE).write_text(json.dumps({
-            "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path, "r": settings.rank,
-            "lora_alpha": settings.alpha, "lora_dropout": settings.dropout,
-            **_peft_targets(settings, _has_experts(adapters)), "bias": "none", "fan_in_fan_out": False,
-            "use_rslora": False, "modules_to_save": None, "inference_mode": True}, indent=2))
+            "peft_type": "LORA", "task_type": "TOKEN_CLS" if value_model else "CAUSAL_LM",
+            "base_model_name_or_path": base_path, "r": settings.rank, "lora_alpha": settings.alpha,
+            "lora_dropout": settings.dropout, **_peft_targets(settings, _has_experts(adapters)), **PLAIN_LORA,
+            "fan_in_fan_out": False, "modules_to_save": [VALUE_HEAD] if value_model else None,
+            "inference_mode": True}, indent=2))
     dist.barrier()
 
 
 def check_peft_config(path: str | Path, settings: LoRASettings, experts: bool) -> None:
-    """ValueError naming the adapter directory unless it is a LoRA adapter of `settings`' rank, alpha and targets
-    (`experts`: the model's routed experts are adapted)."""
+    """ValueError naming the adapter directory unless it is a plain LoRA adapter (`PLAIN_LORA`) of `settings`' rank,
+    alpha and targets (`experts`: the model's routed experts are adapted)."""
     config_file = Path(path) / CONFIG_FILE
     if not config_file.is_file() or not (Path(path) / WEIGHTS_FILE).is_file():
         raise ValueError(f"config key 'actor.lora.adapter_path' = {str(path)!r}: expected a PEFT adapter directory "
@@ -128,6 +145,14 @@ def check_peft_config(path: str | Path, settings: LoRASettings, experts: bool) -
                          f"{theirs[3] + theirs[4]}{' ranks ' + str(theirs[5]) if theirs[5] else ''}; actor.lora asks "
                          f"for rank {ours[1]}, alpha {ours[2]:g} on {ours[3] + ours[4]}"
                          f"{' ranks ' + str(ours[5]) if ours[5] else ''}")
+    unsupported = [f"{key} = {json.dumps(config[key])}" for key, plain in PLAIN_LORA.items()
+                   if config.get(key, plain) != plain]
+    if config.get("modules_to_save"):  # whole modules beside the adapters (a critic's head): not loaded
+        unsupported.append(f"modules_to_save = {json.dumps(config['modules_to_save'])}")
+    if unsupported:
+        expected = ", ".join(f"{key} = {json.dumps(plain)}" for key, plain in PLAIN_LORA.items())
+        raise ValueError(f"{config_file}: {', '.join(unsupported)}, which actor.lora.adapter_path does not support; "
+                         f"expected a plain LoRA adapter ({expected}, no modules_to_save)")
 
 
 @torch.no_grad()
