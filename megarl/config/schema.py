@@ -314,7 +314,8 @@ class CriticConfig(EngineConfig):
     """Train a critic (needed by the gae estimator)."""
 
     path: str = ""
-    """HF directory of the critic; empty: start from model.path with a new value head."""
+    """HF directory of the critic (sharing model.path's tokenizer); empty: start from model.path with a new value
+    head."""
 
     cliprange_value: float = 0.5
     """Clip range of the value update around the old values."""
@@ -672,7 +673,8 @@ class RewardConfig:
     """A scorer slower than this gives reward 0 (counted and logged)."""
 
     reward_model_path: str = ""
-    """HF value model (*ForTokenClassification) scoring responses; its score adds to the rule score."""
+    """HF value model (*ForTokenClassification) scoring responses: its output at each sequence's last token adds to
+    the rule score. It reads the policy's token ids, so it must share model.path's tokenizer."""
 
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     """A generative reward model (LLM judge) scoring the training responses instead of, or mixed with, the

@@ -64,11 +64,47 @@ def parse_config(argv: Sequence[str], rl: bool) -> RunConfig:
     if rl and config.reward.judge.path:
         require_hf_directory("reward.judge.path", config.reward.judge.path)
     if rl and config.teacher.path:
-        from megarl.trainer.teacher import check_shared_tokenizer
-
         require_hf_directory("teacher.path", config.teacher.path)
-        check_shared_tokenizer(config)
+    if rl:
+        check_shared_tokenizers(config)
     return config
+
+
+SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def check_shared_tokenizers(config: RunConfig) -> None:
+    """The models that read the policy's token ids (a teacher, a reward model, a critic of its own) share its
+    tokenizer: a one-line `ConfigError` naming both paths."""
+    others = (("teacher.path", config.teacher.path), ("reward.reward_model_path", config.reward.reward_model_path),
+              ("critic.path", config.critic.path if config.critic.enable else ""))
+    for key, path in others:
+        difference = tokenizer_difference(config.model.path, path) if path else None
+        if difference:
+            raise ConfigError(f"{key}={path!r} and model.path={config.model.path!r} have different tokenizers "
+                              f"({difference}); it reads the policy's token ids, so they must share one tokenizer")
+
+
+def tokenizer_difference(policy_path: str, other_path: str) -> str | None:
+    """The first way the two directories' tokenizers differ, as a user would check it: the same
+    token -> id vocabulary (added tokens included) and the same special tokens; None if they agree."""
+    from transformers import AutoTokenizer
+
+    policy, other = AutoTokenizer.from_pretrained(policy_path), AutoTokenizer.from_pretrained(other_path)
+    policy_vocab, other_vocab = policy.get_vocab(), other.get_vocab()
+    if policy_vocab != other_vocab:
+        only_policy = sorted(set(policy_vocab) - set(other_vocab))
+        only_other = sorted(set(other_vocab) - set(policy_vocab))
+        if only_policy or only_other:
+            token, owner = (only_policy[0], "the policy's") if only_policy else (only_other[0], "the other's")
+            return (f"vocabularies of {len(policy_vocab)} and {len(other_vocab)} tokens; e.g. {token!r} only in "
+                    f"{owner}")
+        token = next(t for t in sorted(policy_vocab) if policy_vocab[t] != other_vocab[t])
+        return f"token {token!r} has id {policy_vocab[token]} in the policy's and {other_vocab[token]} in the other's"
+    for name in SPECIAL_TOKENS:
+        if getattr(policy, name) != getattr(other, name):
+            return f"{name} {getattr(policy, name)!r} in the policy's, {getattr(other, name)!r} in the other's"
+    return None
 
 
 def trainer_world_size(config: RunConfig, world_size: int) -> int:

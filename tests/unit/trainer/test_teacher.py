@@ -1,4 +1,5 @@
-"""The teacher of on-policy distillation is checked at start-up, before any model is built."""
+"""The teacher of on-policy distillation, and every model that reads the policy's token ids, is checked at start-up,
+before any model is built."""
 
 from __future__ import annotations
 
@@ -17,24 +18,31 @@ def _parse(model, *overrides):
     return parse_config(["--config", "configs/tiny_cpu.yaml", f"model.path={model}", *overrides], rl=True)
 
 
-def test_a_teacher_with_another_tokenizer_fails_naming_both_paths(monkeypatch, tiny_models, tmp_path):
+@pytest.mark.parametrize("key, base, estimator", [
+    ("teacher.path", "llama-untied", "opd"),
+    ("reward.reward_model_path", "qwen2-value", "grpo"),
+    ("critic.path", "qwen2-value", "gae"),
+])
+def test_a_model_with_another_tokenizer_than_the_policy_fails_naming_both_paths(monkeypatch, tiny_models, tmp_path,
+                                                                                key, base, estimator):
     # The same characters, but '+' and '=' trade ids: a user's "same vocabulary" is not enough.
-    student = tiny_models["qwen2-tied"]
-    teacher = tmp_path / "teacher"
-    shutil.copytree(tiny_models["llama-untied"], teacher)
-    tokenizer = json.loads((teacher / "tokenizer.json").read_text())
+    policy = tiny_models["qwen2-tied"]
+    other = tmp_path / "other"
+    shutil.copytree(tiny_models[base], other)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
     vocab = tokenizer["model"]["vocab"]
     vocab["+"], vocab["="] = vocab["="], vocab["+"]
-    (teacher / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
     monkeypatch.setenv("WORLD_SIZE", "1")
+    overrides = [f"algorithm.adv_estimator={estimator}", *(["critic.enable=true"] if key == "critic.path" else [])]
     with pytest.raises(ConfigError) as error:
-        _parse(student, "algorithm.adv_estimator=opd", f"teacher.path={teacher}")
+        _parse(policy, *overrides, f"{key}={other}")
     message = str(error.value)
-    assert "\n" not in message and str(student) in message and str(teacher) in message
+    assert "\n" not in message and message.startswith(f"{key}=") and str(policy) in message and str(other) in message
     assert "token '+' has id" in message
-    # Another family with the same tokenizer is a valid teacher.
-    config = _parse(student, "algorithm.adv_estimator=opd", f"teacher.path={tiny_models['llama-untied']}")
-    assert config.teacher.path == str(tiny_models["llama-untied"])
+    # Another family (or a value model) with the same tokenizer is valid.
+    config = _parse(policy, *overrides, f"{key}={tiny_models[base]}")
+    assert str(tiny_models[base]) in (config.teacher.path, config.reward.reward_model_path, config.critic.path)
 
 
 def test_opd_without_a_teacher_fails_naming_the_key(monkeypatch, tiny_models):
