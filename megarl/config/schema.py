@@ -471,10 +471,12 @@ class RolloutConfig:
     """Sampling temperature; the trainer scores log-probs at the same temperature."""
 
     top_p: float = 1.0
-    """Nucleus sampling threshold."""
+    """Nucleus sampling threshold. Below 1 (or with top_k) the engine's log-probs are those of the truncated
+    distribution that drew the tokens, the trainer's those of the whole one: the mismatch metrics show the gap,
+    rollout corrections weight by it, and with actor.recompute_old_logprobs=false it enters the PPO ratio."""
 
     top_k: int = -1
-    """Top-k sampling (-1 disables)."""
+    """Top-k sampling (-1 disables); truncates as top_p does."""
 
     val_temperature: float = 0.0
     """Validation temperature; 0 is greedy."""

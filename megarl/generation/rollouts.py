@@ -163,7 +163,7 @@ def collect_rollouts(prompts: list[Prompt], engine: RolloutEngine, sampling: Sam
     output, result = RolloutOutput(), None
     if stop > start:
         output = engine.generate([p.prompt_ids for p in prompts[start:stop]],
-                                 replace(sampling, seed=sampling.seed + start))
+                                 replace(sampling, seed=sampling.seed_of(start)))
         rollouts.response_ids[start * n : stop * n] = output.response_ids
         rollouts.rollout_logprobs[start * n : stop * n] = output.logprobs
         if engine.routed_experts_shape is not None:

@@ -28,16 +28,17 @@ class Sampling:
     max_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
-    """Base seed; request i of a call samples with seed + i (identical on every rank of a TP group)."""
+    """Base seed; request i of a call samples with seed + i * n (identical on every rank of a TP group): vLLM seeds
+    a request's sample j with its seed + j, so every (request, sample) of a call has a stream of its own."""
     request_seeds: tuple[int, ...] = ()
     """Multi-turn rollouts: request i samples with request_seeds[i] instead (each trajectory keeps its own
-    stream whichever other trajectories are still running); () for seed + i."""
+    stream whichever other trajectories are still running); () for seed + i * n."""
     request_max_tokens: tuple[int, ...] = ()
     """Multi-turn rollouts: request i generates at most request_max_tokens[i] tokens (what is left of its
     trajectory's token budget); () for max_tokens."""
 
     def seed_of(self, request: int) -> int:
-        return self.request_seeds[request] if self.request_seeds else self.seed + request
+        return self.request_seeds[request] if self.request_seeds else self.seed + request * self.n
 
     def max_tokens_of(self, request: int) -> int:
         return self.request_max_tokens[request] if self.request_max_tokens else self.max_tokens

@@ -32,7 +32,9 @@ from megarl.rollout.base import (ROLLOUT_BACKENDS, Advance, RolloutOutput, Sampl
 class HFRollout:
     def __init__(self, model_dir: str, dtype: str, dummy_weights: bool = False, **unused):
         self.model = _load_model(model_dir, getattr(torch, dtype), dummy_weights).to(device.compute_device()).eval()
-        self.eos_token_id = self.model.generation_config.eos_token_id
+        eos = self.model.generation_config.eos_token_id  # one id, or several (Llama 3's, Qwen 2.5 instruct's)
+        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else eos or ())
+        """Where every response stops, as vLLM stops on the generation config's EOS ids."""
         self.guard = WeightUpdateGuard(has_weights=not dummy_weights)
         self.submitted: dict[str, _Sequence] = {}
         """The requests `submit` started that have not ended or been aborted, by key."""
@@ -90,7 +92,7 @@ class HFRollout:
             self.submitted.pop(key, None)
 
     def _stops(self, sampling: Sampling) -> set[int]:
-        return set(sampling.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None else set())
+        return set(sampling.stop_token_ids) | self.eos_token_ids
 
     def _take_routing(self) -> torch.Tensor:
         """(P + R - 1, L, k) int16 experts of the sequence just sampled (every position it fed)."""

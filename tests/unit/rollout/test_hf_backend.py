@@ -9,6 +9,9 @@ necessarily the same kernels or memory layouts, so log-probs agree to fp32 round
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -25,7 +28,7 @@ def test_dummy_weights_serve_only_after_an_update(tiny_models):
     dummy.begin_weight_update(step=0)
     dummy.load_weights(loaded.model.state_dict().items())
     dummy.end_weight_update()
-    assert dummy.eos_token_id == loaded.eos_token_id
+    assert dummy.eos_token_ids == loaded.eos_token_ids
     updated, reference = dummy.generate(prompts, greedy), loaded.generate(prompts, greedy)
     # Greedy tokens of this random model are far from ties, so they match exactly; fp32 log-probs after
     # 4 layers of width 128 differ by a few ulps of the accumulated sums (~1e-6), well under 1e-5.
@@ -55,3 +58,18 @@ def test_moe_outputs_carry_the_experts_each_fed_token_was_routed_to(tiny_moe_mod
         expected_NLk = torch.stack([logits.topk(2).indices.sort(-1).values for logits in router_logits], 1)
         assert routing.dtype == torch.int16 and routing.shape == (len(fed), 4, 2)
         assert torch.equal(routing.long().sort(-1).values, expected_NLk)
+
+
+def test_a_generation_config_with_several_eos_ids_stops_on_each(tiny_models, tmp_path):
+    # Llama 3's and Qwen 2.5 instruct's generation configs list their EOS ids. Greedy responses of the model stop
+    # wherever the list's second id is the token drawn.
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_models["llama-untied"], model_dir)
+    prompts, greedy = [[5, 9, 13], [7, 2]], Sampling(temperature=0.0, max_tokens=6)
+    first_tokens = [response[0] for response in HFRollout(str(model_dir), "float32").generate(prompts, greedy)
+                    .response_ids]
+    config = json.loads((model_dir / "generation_config.json").read_text())
+    config["eos_token_id"] = [99, first_tokens[0]]
+    (model_dir / "generation_config.json").write_text(json.dumps(config))
+    output = HFRollout(str(model_dir), "float32").generate(prompts, greedy)
+    assert output.response_ids[0] == [first_tokens[0]] and output.finish_reasons[0] == "stop"
