@@ -118,5 +118,7 @@ def join_split_world(num_rollout_ranks: int) -> SplitWorld:
 
 def _backend(store: dist.Store, rank: int, size: int) -> dist.ProcessGroup:
     if device.cuda():
-        return dist.ProcessGroupNCCL(store, rank, size)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = collective_timeout()  # as torch's own groups are given theirs; NCCL's default is 10 min
+        return dist.ProcessGroupNCCL(store, rank, size, options)
     return dist.ProcessGroupGloo(store, rank, size, collective_timeout())

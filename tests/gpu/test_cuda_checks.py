@@ -36,6 +36,7 @@ def test_nccl_group_and_hf_engine_weight_sync(tiny_models, tmp_path):
         assert report[f"{where}_all_reduce"] == report[f"{where}_broadcast"] == VALUES, report
         assert report[f"{where}_devices_after"] == [on], report
     assert report["megarl_all_reduce"] == VALUES, report
+    assert report["bridge_timeout_s"] == report["collective_timeout_s"], report  # not NCCL's own 10 min
 
     # The engine holds the trained weights (not the checkpoint's) bit for bit, on the GPU.
     assert report["synced_differs_from_checkpoint"], report

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from megarl import device
-from megarl.distributed import collectives, finish_process, init_layout
+from megarl.distributed import collectives, finish_process, init_layout, split_world
+from megarl.distributed.timeouts import collective_timeout
 from megarl.models.hf_interop import export_hf
 from megarl.resharding.executor import WeightSync
 from megarl.rollout.base import Sampling
@@ -53,6 +54,10 @@ for where in ("compute", "cpu"):
 bookkeeping = torch.tensor(args.values)
 collectives.all_reduce(bookkeeping)
 report["megarl_all_reduce"] = bookkeeping.tolist()
+# Split placement's bridge between trainer and rollout ranks: an NCCL group of its own, with the run's timeout.
+bridge = split_world._backend(dist.HashStore(), 0, 1)
+report["bridge_timeout_s"], report["collective_timeout_s"] = (
+    bridge.options._timeout.total_seconds(), collective_timeout().total_seconds())
 
 # 2. Weight sync into the `hf` engine.
 actor = make_actor(layout, args.hf)
