@@ -40,7 +40,7 @@ class MoEConfig:
     """Aux-loss-free load balancing: a per-expert routing bias nudged towards equal load after every
     step. DeepSeek-V3 and GLM-4.5 checkpoints carry theirs (fixed unless this is on); for the other
     families megatron-core supports it only with sigmoid routing scores, which then replace the
-    checkpoint's softmax scores."""
+    checkpoint's softmax scores: SFT only, as an RL run's rollout engine routes by the softmax."""
 
     bias_update_rate: float = 1e-3
     """How far one step moves each expert's bias (with expert_bias)."""

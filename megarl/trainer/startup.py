@@ -67,7 +67,24 @@ def parse_config(argv: Sequence[str], rl: bool) -> RunConfig:
         require_hf_directory("teacher.path", config.teacher.path)
     if rl:
         check_shared_tokenizers(config)
+        check_engine_routes_as_trained(config)
     return config
+
+
+def check_engine_routes_as_trained(config: RunConfig) -> None:
+    """Aux-loss-free balancing (`model.moe.expert_bias`) on a family whose checkpoints carry no routing correction
+    bias makes megatron route by sigmoid scores plus a bias of its own, which the rollout engine, routing by the
+    checkpoint's softmax, never sees: the samples would come from another policy than the one trained."""
+    if not config.model.moe.expert_bias:
+        return
+    from megarl.models.architecture import architecture_from_hf, read_hf_config
+
+    arch = architecture_from_hf(read_hf_config(config.model.path), source=f"{config.model.path}/config.json")
+    if arch.is_moe and not arch.router_bias:
+        raise ConfigError(f"config key 'model.moe.expert_bias' = True: {arch.family} checkpoints carry no routing "
+                          "correction bias, so the trainer would route by sigmoid scores plus a bias that the rollout "
+                          "engine, routing by the checkpoint's softmax, ignores; allowed: false in RL, or a family "
+                          "with one (DeepSeek-V3, GLM-4.5)")
 
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")

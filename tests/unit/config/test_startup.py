@@ -64,6 +64,15 @@ def test_remax_refuses_a_reward_its_greedy_baseline_would_leave_out(monkeypatch,
             parse_config([*argv, f"{key}={value}"], rl=True)
 
 
+def test_aux_loss_free_balancing_in_rl_needs_a_family_the_engine_routes_with_a_bias(monkeypatch, tiny_moe_models):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    argv = ["--config", "configs/tiny_cpu.yaml", "model.moe.expert_bias=true"]
+    with pytest.raises(ConfigError, match=r"'model\.moe\.expert_bias' = True: qwen3_moe checkpoints carry no routing"):
+        parse_config([*argv, f"model.path={tiny_moe_models['qwen3-moe']}"], rl=True)
+    assert parse_config([*argv, f"model.path={tiny_moe_models['qwen3-moe']}"], rl=False).model.moe.expert_bias  # SFT
+    assert parse_config([*argv, f"model.path={tiny_moe_models['deepseek-v3']}"], rl=True).model.moe.expert_bias
+
+
 def test_rollout_correction_preset_is_registered_and_reads_the_bounds_set(monkeypatch, tiny_models):
     monkeypatch.setenv("WORLD_SIZE", "1")
     argv = ["--config", "configs/tiny_cpu.yaml", f"model.path={tiny_models['qwen2-tied']}"]
