@@ -126,9 +126,9 @@ class JudgeRewards:
             "judge_timeouts": [float(u and v.truncated) for u, v in zip(unread, verdicts)],
             "judge_errors": [float(n) for n in not_asked],
         })
-        failed = [(item, v.error) for item, v in zip(items, verdicts) if v.error]
-        if failed:
-            item, error = failed[0]
+        unjudged = [(item, v.error) for item, v in zip(items, verdicts) if v.error]
+        if unjudged:
+            item, error = unjudged[0]
             result.first_error = f"{item.origin or 'an item'} (data_source {item.data_source!r}): judge: {error}"
         if rubric.rule_weight:
             rule = self.rule.score(items)

@@ -75,12 +75,13 @@ class SFTTrainer:
         tools = tool_schemas(config.rollout.multi_turn)
         self.data = PromptDataset(config.data.train_files, self.tokenizer, config.data.max_prompt_length,
                                   config.data.apply_chat_template, tools=tools)
+        prompts = list(self.data)  # read once: for the traces and the references
         # Only traces are rendered: text answers train with any template.
-        traces = any(prompt.extra_info.get("turns") for prompt in self.data)
+        traces = any(prompt.extra_info.get("turns") for prompt in prompts)
         renderer = (ChatRenderer(self.tokenizer, tools)
                     if traces and uses_chat_template(self.tokenizer, config.data.apply_chat_template) else None)
         self.references = [reference_response(prompt, self.tokenizer, renderer, config.data.max_response_length)
-                           for prompt in self.data]
+                           for prompt in prompts]
         self.sampler = ResumableSampler(len(self.data), config.data.train_batch_size, config.trainer.seed,
                                         shuffle=config.data.shuffle)
         run.save_config()
